@@ -1,0 +1,68 @@
+# Two entry points (see README): `make demo` sets up everything and serves the page;
+# `make test` sets up everything and runs the whole test suite. Every step is idempotent.
+SHELL := /bin/bash
+.DEFAULT_GOAL := demo
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYODIDE_VERSION := 314.0.7
+WHEEL := static/pyodide/sharded_decode_demo-0.1.0-py3-none-any.whl
+SOURCES := $(shell find app kernels model_glue -name '*.py') pyproject.toml
+export XDG_RUNTIME_DIR ?= /tmp
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test setup apt clean bench
+
+demo: setup
+	$(PY) -m app serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q -rs
+
+setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json static/artifacts/kernels/manifest.json
+
+# Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
+APT_PACKAGES := chromium mesa-vulkan-drivers
+apt:
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+	  echo "== installing $(APT_PACKAGES) (apt)"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $(APT_PACKAGES); \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	@echo "== Python venv ($(VENV))"
+	@test -x $(PY) || { python=$$(tools/find-python.sh) && "$$python" -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+node_modules/pyodide/pyodide.mjs: package.json
+	@echo "== Pyodide $(PYODIDE_VERSION) from npm"
+	npm install --no-audit --no-fund --loglevel=error
+	@touch $@
+
+static/pyodide/pyodide.mjs: node_modules/pyodide/pyodide.mjs
+	mkdir -p static/pyodide
+	cp node_modules/pyodide/{pyodide.mjs,pyodide.asm.mjs,pyodide.asm.wasm,python_stdlib.zip,pyodide-lock.json} static/pyodide/
+	@touch $@
+
+# The project's own pure wheel, registered in Pyodide's lockfile so loadPackage finds it by name.
+static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/.installed
+	@echo "== project wheel -> Pyodide lockfile"
+	rm -f static/pyodide/*.whl
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w static/pyodide .
+	cd static/pyodide && ../../$(VENV)/bin/pyodide lockfile add-wheels \
+	  --input ../../node_modules/pyodide/pyodide-lock.json --output pyodide-lock.json \
+	  --base-path . $(notdir $(WHEEL))
+
+static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(VENV)/.installed
+	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"
+	$(PY) -m app build
+
+bench: setup
+	$(PY) -m app bench attention
+
+clean:
+	rm -rf static/pyodide static/artifacts build dist *.egg-info

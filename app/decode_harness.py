@@ -1,0 +1,76 @@
+"""Host-side helper (numpy) that binds paged decode inputs to an attention kernel.
+
+Used by the benchmark and the tests; the browser never imports it (no numpy there).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INPUT_BUFFERS = ("Q", "pages", "page_table_indptr", "page_table_values", "length_info",
+                 "k_rope_pos_offset", "q_rope_position")
+
+
+def as_dtype(array, dtype: str):
+    return np.ascontiguousarray(array, dtype=np.float16 if dtype == "float16" else np.float32)
+
+
+class DecodeCall:
+    """One paged decode-attention call bound to GPU buffers; dispatch it as often as you like."""
+
+    def __init__(self, device, kernel, inputs: dict, *, rotary_mode=0, rope_scale=1.0, rope_theta=1e4):
+        spec = kernel.spec
+        dtype = spec["meta"]["dtype"]
+        q = as_dtype(inputs["q"], dtype)
+        pages = as_dtype(inputs["pages"], dtype)
+        batch, num_qo_heads, head_dim = q.shape
+        host = {
+            "Q": q,
+            "pages": pages,
+            "page_table_indptr": np.asarray(inputs["page_table_indptr"], np.int32),
+            "page_table_values": np.asarray(inputs["page_table_values"], np.int32),
+            "length_info": np.asarray(inputs["length_info"], np.int32),
+            "k_rope_pos_offset": np.asarray(inputs.get("k_rope_pos_offset", np.zeros(batch)), np.int32),
+            "q_rope_position": np.asarray(inputs.get("q_rope_position", np.zeros(batch)), np.int32),
+        }
+        self.device = device
+        self.kernel = kernel
+        self.out_shape = (batch, num_qo_heads, head_dim)
+        self.out_dtype = q.dtype
+        self.buffers = {name: device.storage_buffer(arr.nbytes, arr.tobytes()) for name, arr in host.items()}
+        self.buffers["output"] = device.storage_buffer(q.nbytes)
+        self.buffers["lse"] = device.storage_buffer(batch * num_qo_heads * 4)
+        values = {
+            "B": batch,
+            "nnz_pages": len(host["page_table_values"]),
+            "max_num_pages": pages.shape[0],
+            "rotary_mode": rotary_mode,
+            "rope_scale": rope_scale,
+            "rope_theta": rope_theta,
+            "sm_scale": float(inputs["sm_scale"]),
+        }
+        self.bound = kernel.bind(self.buffers, values)
+        self.kv_bytes = _kv_bytes_read(inputs, num_qo_heads, head_dim, q.itemsize)
+
+    def dispatch(self, batch, timestamps=None):
+        self.bound.dispatch(batch, timestamps)
+
+    async def run(self):
+        """Dispatch once and return (output, lse) as numpy arrays."""
+        batch = self.device.batch()
+        self.dispatch(batch)
+        batch.submit()
+        return await self.read()
+
+    async def read(self):
+        out = await self.device.read(self.buffers["output"], int(np.prod(self.out_shape)) * self.out_dtype.itemsize)
+        lse = await self.device.read(self.buffers["lse"], self.out_shape[0] * self.out_shape[1] * 4)
+        return (np.frombuffer(out, self.out_dtype).reshape(self.out_shape),
+                np.frombuffer(lse, np.float32).reshape(self.out_shape[:2]))
+
+
+def _kv_bytes_read(inputs, num_qo_heads, head_dim, itemsize) -> int:
+    """Bytes of K and V one call must read at least once: every KV head over its context."""
+    num_kv_heads = inputs["pages"].shape[2]
+    tokens = sum(int(n) for n in inputs["kv_lens"])
+    return tokens * num_kv_heads * head_dim * 2 * itemsize

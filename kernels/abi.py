@@ -1,0 +1,100 @@
+"""Read a kernel's WebGPU ABI out of TVM's lowered device module.
+
+TVM's WGSL codegen binds the device kernel's handle parameters as storage buffers, in parameter
+order, then one uniform struct `PODArgs` holding the scalar parameters (4 bytes each) followed by
+`packGridDimX: u32`. The launch extents (grid and workgroup size) are `thread_extent` attributes in
+the kernel body, written in terms of the same scalar variables. This module turns all of that into
+plain JSON so the runtime can dispatch without TVM and without parsing WGSL.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+# JSON expression trees: an int, a variable name, or [op, lhs, rhs].
+_BINARY_OPS = {
+    tirx.Add: "+",
+    tirx.Sub: "-",
+    tirx.Mul: "*",
+    tirx.FloorDiv: "//",
+    tirx.FloorMod: "%",
+    tirx.Div: "//",  # only ever integer division in launch extents
+    tirx.Min: "min",
+    tirx.Max: "max",
+}
+
+
+def expr_to_json(expr):
+    """A launch-extent expression as a JSON tree the runtime can evaluate (see model_glue.kernel)."""
+    if isinstance(expr, tirx.IntImm):
+        return int(expr.value)
+    if isinstance(expr, tirx.Var):
+        return expr.name
+    if isinstance(expr, tirx.Cast):
+        return expr_to_json(expr.value)
+    for node_type, op in _BINARY_OPS.items():
+        if isinstance(expr, node_type):
+            return [op, expr_to_json(expr.a), expr_to_json(expr.b)]
+    raise ValueError(f"unsupported expression in a launch extent: {expr!r} ({type(expr).__name__})")
+
+
+def _children(node):
+    """Every IR child of a node, found through tvm-ffi reflection (TVM exposes no TIR visitor)."""
+    info = type(node).__tvm_ffi_type_info__
+    while info is not None:
+        for field in info.fields:
+            if field.name == "span":
+                continue
+            yield getattr(node, field.name)
+        info = info.parent_type_info
+
+
+def thread_extents(stmt) -> dict[str, object]:
+    """Map 'blockIdx.x' / 'threadIdx.y' ... to their extent expressions."""
+    found: dict[str, object] = {}
+
+    def walk(node):
+        if isinstance(node, (list, tuple)) or type(node).__name__ == "Array":
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, (tirx.Stmt, tvm.ir.expr.Expr)):
+            return
+        if isinstance(node, tirx.AttrStmt) and node.attr_key == "thread_extent":
+            tag = node.node.thread_tag
+            if tag in found and not tvm.ir.structural_equal(found[tag], node.value):
+                raise ValueError(f"{tag} launched with two different extents")
+            found[tag] = node.value
+        if isinstance(node, tvm.ir.expr.Expr):
+            return  # launch attributes live on statements only
+        for child in _children(node):
+            walk(child)
+
+    walk(stmt)
+    return found
+
+
+def device_kernel_abi(func: tirx.PrimFunc) -> dict:
+    """ABI of one lowered device kernel: bindings, PODArgs, workgroup size and grid."""
+    handles, pods = [], []
+    for param in func.params:
+        if isinstance(param.ty, tvm.ir.PointerType):
+            handles.append(param.name)
+        else:
+            pods.append({"name": param.name, "type": str(param.ty)})
+    extents = thread_extents(func.body)
+    workgroup_size = []
+    for axis in "xyz":
+        extent = extents.get(f"threadIdx.{axis}", 1)
+        extent = expr_to_json(extent) if not isinstance(extent, int) else extent
+        if not isinstance(extent, int):
+            raise ValueError(f"threadIdx.{axis} has a non-constant extent {extent}")
+        workgroup_size.append(extent)
+    grid = []
+    for axis in "xy":
+        extent = extents.get(f"blockIdx.{axis}", 1)
+        grid.append(extent if isinstance(extent, int) else expr_to_json(extent))
+    if "blockIdx.z" in extents:
+        raise ValueError("blockIdx.z is reserved by TVM's WGSL codegen for packing wide grids")
+    return {"handles": handles, "pod": pods, "workgroup_size": workgroup_size, "grid": grid}

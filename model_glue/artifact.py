@@ -1,0 +1,65 @@
+"""The built artifact as the runtime sees it: a manifest of kernels and their WGSL files.
+
+The artifact is read through an async `read_text(relative_path)` so the same code loads it from
+disk (native) or over HTTP from the page's origin (browser).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from model_glue.kernel import Kernel
+
+MANIFEST = "manifest.json"
+SUPPORTED_FORMAT = 1
+
+
+class ArtifactError(RuntimeError):
+    """The artifact is missing, from another format version, or corrupted."""
+
+
+class KernelLibrary:
+    """Kernels of one artifact folder, compiled on first use and cached by name."""
+
+    def __init__(self, device, manifest: dict, read_text):
+        if manifest.get("format") != SUPPORTED_FORMAT:
+            raise ArtifactError(f"kernel manifest format {manifest.get('format')!r}, expected {SUPPORTED_FORMAT}"
+                                " (rebuild with `python -m app build`)")
+        self.device = device
+        self.manifest = manifest
+        self.specs = manifest["kernels"]
+        self._read_text = read_text
+        self._compiled: dict[str, Kernel] = {}
+
+    @classmethod
+    async def load(cls, device, read_text) -> "KernelLibrary":
+        try:
+            manifest = json.loads(await read_text(MANIFEST))
+        except (OSError, ValueError) as err:
+            raise ArtifactError(f"cannot read the kernel manifest: {err}") from err
+        return cls(device, manifest, read_text)
+
+    @classmethod
+    async def from_folder(cls, device, folder) -> "KernelLibrary":
+        root = Path(folder)
+
+        async def read_text(name: str) -> str:
+            return (root / name).read_text()
+
+        if not (root / MANIFEST).exists():
+            raise ArtifactError(f"no {MANIFEST} in {root}; build it with `python -m app build`")
+        return await cls.load(device, read_text)
+
+    def names(self, **meta) -> list[str]:
+        """Kernel names whose meta matches every given key."""
+        return [n for n, s in self.specs.items() if all(s["meta"].get(k) == v for k, v in meta.items())]
+
+    async def kernel(self, name: str) -> Kernel:
+        if name not in self._compiled:
+            if name not in self.specs:
+                raise ArtifactError(f"kernel {name!r} is not in this artifact")
+            spec = self.specs[name]
+            wgsl = await self._read_text(spec["wgsl"])
+            self._compiled[name] = await Kernel.compile(self.device, spec, wgsl)
+        return self._compiled[name]

@@ -1,0 +1,86 @@
+"""Dispatch a TVM-built WGSL kernel from its manifest entry (see kernels.build for how it is made).
+
+The manifest gives, per kernel: storage buffers in binding order, the PODArgs fields (4 bytes each,
+then `packGridDimX: u32`), the workgroup size, and the grid as small expression trees over the
+kernel's shape variables and scalars. Nothing here reads WGSL beyond handing it to the compiler.
+"""
+
+from __future__ import annotations
+
+import struct
+
+_POD_FORMAT = {"i32": "i", "u32": "I", "f32": "f"}
+_OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "//": lambda a, b: a // b,
+    "%": lambda a, b: a % b,
+    "min": min,
+    "max": max,
+}
+# WebGPU's default maxComputeWorkgroupsPerDimension; TVM packs wider grids into z, which we avoid.
+MAX_WORKGROUPS_PER_DIM = 65535
+
+
+def evaluate(expr, values: dict[str, float]):
+    """Evaluate a manifest expression: an int, a variable name, or [op, lhs, rhs]."""
+    if isinstance(expr, (int, float)):
+        return expr
+    if isinstance(expr, str):
+        if expr in values:
+            return values[expr]
+        if expr.endswith("_elem_offset"):
+            return 0  # we always bind whole buffers
+        raise KeyError(f"kernel needs a value for '{expr}'")
+    op, lhs, rhs = expr
+    return _OPS[op](evaluate(lhs, values), evaluate(rhs, values))
+
+
+class Kernel:
+    """A compiled pipeline plus the ABI needed to bind and launch it."""
+
+    def __init__(self, device, spec: dict, pipeline):
+        self.device = device
+        self.spec = spec
+        self.name = spec["name"]
+        self.pipeline = pipeline
+        self.buffer_names = [b["name"] for b in spec["buffers"]]
+
+    @classmethod
+    async def compile(cls, device, spec: dict, wgsl: str) -> "Kernel":
+        pipeline = await device.compute_pipeline(wgsl, spec["entry"], spec["name"])
+        return cls(device, spec, pipeline)
+
+    def pod_bytes(self, values: dict[str, float], grid_x: int) -> bytes:
+        packed = b"".join(
+            struct.pack("<" + _POD_FORMAT[f["type"]], evaluate(f["name"], values)) for f in self.spec["pod"]
+        )
+        return packed + struct.pack("<I", grid_x)
+
+    def grid(self, values: dict[str, float]) -> tuple[int, int, int]:
+        x, y = (int(evaluate(e, values)) for e in self.spec["grid"])
+        if x > MAX_WORKGROUPS_PER_DIM or y > MAX_WORKGROUPS_PER_DIM:
+            raise ValueError(f"{self.name}: grid {x}x{y} exceeds {MAX_WORKGROUPS_PER_DIM} per dimension")
+        return (x, y, 1)
+
+    def bind(self, buffers: dict, values: dict[str, float]) -> "BoundKernel":
+        """Bind named GPU buffers and scalar/shape values; the result can be dispatched repeatedly."""
+        missing = [n for n in self.buffer_names if n not in buffers]
+        if missing:
+            raise KeyError(f"{self.name}: missing buffers {missing}")
+        grid = self.grid(values)
+        uniform = self.device.uniform_buffer(self.pod_bytes(values, grid[0]))
+        ordered = [buffers[n] for n in self.buffer_names] + [uniform]
+        return BoundKernel(self, self.device.bind_group(self.pipeline, ordered), grid, uniform)
+
+
+class BoundKernel:
+    def __init__(self, kernel: Kernel, bind_group, grid, uniform):
+        self.kernel = kernel
+        self.bind_group = bind_group
+        self.grid = grid
+        self.uniform = uniform  # kept alive with the bind group
+
+    def dispatch(self, batch, timestamps=None) -> None:
+        batch.dispatch(self.kernel.pipeline, self.bind_group, self.grid, timestamps)

@@ -1,0 +1,372 @@
+"""The one WebGPU seam: a small async device API with two backends.
+
+`BrowserDevice` drives Pyodide's `js.navigator.gpu`; `WgpuDevice` drives wgpu-py (native, used by
+tests and benchmarks). Both expose the same methods, so everything above this module runs unchanged
+in the browser and natively. The API is async because the browser's WebGPU promises must be awaited.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
+MAP_READ, COPY_SRC, COPY_DST, UNIFORM, STORAGE, QUERY_RESOLVE = 1, 4, 8, 64, 128, 512
+
+# What the kernels need: TVM's tiled decode kernel binds 9 storage buffers (default limit 8).
+REQUIRED_LIMITS = {
+    "maxStorageBuffersPerShaderStage": 10,
+    "maxComputeInvocationsPerWorkgroup": 256,
+    "maxComputeWorkgroupStorageSize": 16384,
+}
+# Taken up to what the adapter offers: model weights and long KV caches need big bindings, and
+# TVM's tiled decode kernel in f32 with GQA group 1 needs ~17.5 KiB of workgroup storage.
+GENEROUS_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize", "maxComputeWorkgroupStorageSize")
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+
+
+class WebGPUUnavailable(RuntimeError):
+    """No usable adapter: the message says what is missing, in words a user can act on."""
+
+
+def _kebab(name: str) -> str:
+    return "".join("-" + c.lower() if c.isupper() else c for c in name)
+
+
+class Device:
+    """Backend-independent part. Subclasses implement the `_`-prefixed primitives."""
+
+    backend = "?"
+
+    def __init__(self, adapter_name: str, features: set[str], limits: dict[str, int]):
+        self.adapter_name = adapter_name
+        self.features = frozenset(features)
+        self.limits = limits
+        self.has_f16 = "shader-f16" in self.features
+        self.has_timestamps = "timestamp-query" in self.features
+
+    # -- buffers ------------------------------------------------------------------------------
+    def storage_buffer(self, nbytes: int, data: bytes | memoryview | None = None):
+        """A storage buffer that can also be copied from (readback) and written by the queue."""
+        buffer = self._create_buffer(max(4, _align4(nbytes)), STORAGE | COPY_SRC | COPY_DST)
+        if data is not None:
+            self.write(buffer, data)
+        return buffer
+
+    def uniform_buffer(self, data: bytes):
+        buffer = self._create_buffer(max(16, _align(len(data), 16)), UNIFORM | COPY_DST)
+        self.write(buffer, data)
+        return buffer
+
+    def write(self, buffer, data: bytes | memoryview, offset: int = 0) -> None:
+        data = memoryview(data).cast("B")
+        if len(data) % 4:  # writeBuffer sizes must be multiples of 4
+            data = memoryview(bytes(data) + bytes(4 - len(data) % 4))
+        self._write(buffer, offset, data)
+
+    async def read(self, buffer, nbytes: int, offset: int = 0) -> bytes:
+        """Copy `nbytes` of a buffer back to the host (through a mappable staging buffer)."""
+        size = _align4(nbytes)
+        staging = self._create_buffer(size, MAP_READ | COPY_DST)
+        batch = self.batch()
+        batch.copy(buffer, offset, staging, 0, size)
+        batch.submit()
+        data = await self._map_read(staging, size)
+        self._destroy(staging)
+        return data[:nbytes]
+
+    # -- pipelines ----------------------------------------------------------------------------
+    async def compute_pipeline(self, wgsl: str, entry: str, label: str = ""):
+        """Compile WGSL; raises RuntimeError with the compiler's messages if it is rejected."""
+        return await self._compute_pipeline(wgsl, entry, label or entry)
+
+    def bind_group(self, pipeline, buffers: list):
+        return self._bind_group(pipeline, buffers)
+
+    def batch(self) -> "Batch":
+        return Batch(self)
+
+    def timestamps(self, count: int) -> "Timestamps":
+        if not self.has_timestamps:
+            raise RuntimeError(f"{self.adapter_name} has no timestamp-query feature")
+        return Timestamps(self, count)
+
+    def describe(self) -> dict:
+        return {
+            "adapter": self.adapter_name,
+            "backend": self.backend,
+            "shader_f16": self.has_f16,
+            "timestamp_query": self.has_timestamps,
+            "features": sorted(self.features),
+        }
+
+
+class Batch:
+    """One command encoder: compute dispatches and copies, submitted together."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self.encoder = device._create_encoder()
+
+    def dispatch(self, pipeline, bind_group, grid: tuple[int, int, int], timestamps: tuple | None = None):
+        """One compute pass; `timestamps=(Timestamps, begin_index, end_index)` brackets it."""
+        self.device._dispatch(self.encoder, pipeline, bind_group, grid, timestamps)
+
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
+        self.device._copy(self.encoder, src, src_offset, dst, dst_offset, nbytes)
+
+    def resolve(self, timestamps: "Timestamps") -> None:
+        self.device._resolve(self.encoder, timestamps)
+
+    def submit(self) -> None:
+        self.device._submit(self.encoder)
+
+
+class Timestamps:
+    """A timestamp query set with its resolve buffer; `read_ns` gives raw u64 ticks in ns."""
+
+    def __init__(self, device: Device, count: int):
+        self.device = device
+        self.count = count
+        self.query_set = device._create_query_set(count)
+        self.resolved = device._create_buffer(8 * count, QUERY_RESOLVE | COPY_SRC)
+
+    async def read_ns(self) -> list[int]:
+        raw = await self.device.read(self.resolved, 8 * self.count)
+        return list(memoryview(raw).cast("Q"))
+
+
+def _align4(n: int) -> int:
+    return _align(n, 4)
+
+
+def _align(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+# ---------------------------------------------------------------------------------------------
+# Native backend: wgpu-py
+# ---------------------------------------------------------------------------------------------
+class WgpuDevice(Device):
+    backend = "wgpu"
+
+    def __init__(self, adapter, device, features, limits):
+        info = adapter.info
+        name = info.get("device") or info.get("description") or "unknown adapter"
+        super().__init__(f"{name} ({info.get('backend_type', '?')})", features, limits)
+        self._adapter = adapter
+        self._device = device
+
+    @classmethod
+    async def open(cls) -> "WgpuDevice":
+        import wgpu
+
+        adapters = wgpu.gpu.enumerate_adapters_sync()
+        if not adapters:
+            raise WebGPUUnavailable("wgpu found no adapter (is a Vulkan driver installed? try mesa-vulkan-drivers)")
+        # Prefer a real GPU over a CPU rasterizer when both are present.
+        rank = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
+        adapter = min(adapters, key=lambda a: rank.get(a.info.get("adapter_type"), 4))
+        return await cls._open_adapter(adapter)
+
+    @classmethod
+    async def _open_adapter(cls, adapter) -> "WgpuDevice":
+        offered = adapter.limits
+        limits = {}
+        for name, want in REQUIRED_LIMITS.items():
+            have = offered[_kebab(name)]
+            if have < want:
+                raise WebGPUUnavailable(f"adapter offers {name}={have}, kernels need {want}")
+            limits[name] = want
+        for name in GENEROUS_LIMITS:
+            limits[name] = max(limits.get(name, 0), offered[_kebab(name)])
+        features = {f for f in OPTIONAL_FEATURES if f in adapter.features}
+        device = adapter.request_device_sync(
+            required_features=sorted(features),
+            required_limits={_kebab(k): v for k, v in limits.items()},
+        )
+        return cls(adapter, device, features, limits)
+
+    def _create_buffer(self, size, usage):
+        return self._device.create_buffer(size=size, usage=usage)
+
+    def _destroy(self, buffer):
+        buffer.destroy()
+
+    def _write(self, buffer, offset, data):
+        self._device.queue.write_buffer(buffer, offset, data)
+
+    async def _map_read(self, buffer, size):
+        buffer.map_sync(MAP_READ, 0, size)
+        data = bytes(buffer.read_mapped(0, size))
+        buffer.unmap()
+        return data
+
+    async def _compute_pipeline(self, wgsl, entry, label):
+        try:
+            module = self._device.create_shader_module(code=wgsl, label=label)
+            return self._device.create_compute_pipeline(
+                layout="auto", compute={"module": module, "entry_point": entry}, label=label
+            )
+        except Exception as err:  # wgpu raises GPUValidationError with naga's report
+            raise RuntimeError(f"WGSL of {label} rejected by wgpu/naga: {err}") from err
+
+    def _bind_group(self, pipeline, buffers):
+        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        return self._device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+
+    def _create_encoder(self):
+        return self._device.create_command_encoder()
+
+    def _dispatch(self, encoder, pipeline, bind_group, grid, timestamps):
+        kwargs = {}
+        if timestamps is not None:
+            queries, begin, end = timestamps
+            kwargs["timestamp_writes"] = {
+                "query_set": queries.query_set,
+                "beginning_of_pass_write_index": begin,
+                "end_of_pass_write_index": end,
+            }
+        compute = encoder.begin_compute_pass(**kwargs)
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, bind_group)
+        compute.dispatch_workgroups(*grid)
+        compute.end()
+
+    def _copy(self, encoder, src, src_offset, dst, dst_offset, nbytes):
+        encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
+
+    def _create_query_set(self, count):
+        return self._device.create_query_set(type="timestamp", count=count)
+
+    def _resolve(self, encoder, timestamps):
+        encoder.resolve_query_set(timestamps.query_set, 0, timestamps.count, timestamps.resolved, 0)
+
+    def _submit(self, encoder):
+        self._device.queue.submit([encoder.finish()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Browser backend: Pyodide's js.navigator.gpu
+# ---------------------------------------------------------------------------------------------
+class BrowserDevice(Device):
+    backend = "browser"
+
+    def __init__(self, device, name, features, limits):
+        super().__init__(name, features, limits)
+        self._device = device
+
+    @classmethod
+    async def open(cls) -> "BrowserDevice":
+        import js
+
+        gpu = getattr(js.navigator, "gpu", None)
+        if gpu is None:
+            raise WebGPUUnavailable("this browser has no WebGPU (navigator.gpu is missing)")
+        adapter = await gpu.requestAdapter(_js({"powerPreference": "high-performance"}))
+        if adapter is None:
+            raise WebGPUUnavailable("WebGPU is present but no adapter was granted")
+        limits = {}
+        for name, want in REQUIRED_LIMITS.items():
+            have = int(getattr(adapter.limits, name))
+            if have < want:
+                raise WebGPUUnavailable(f"adapter offers {name}={have}, kernels need {want}")
+            limits[name] = want
+        for name in GENEROUS_LIMITS:
+            limits[name] = max(limits.get(name, 0), int(getattr(adapter.limits, name)))
+        features = {f for f in OPTIONAL_FEATURES if adapter.features.has(f)}
+        device = await adapter.requestDevice(
+            _js({"requiredFeatures": sorted(features), "requiredLimits": limits})
+        )
+        info = adapter.info
+        parts = [str(getattr(info, k, "") or "") for k in ("vendor", "architecture", "device", "description")]
+        name = " / ".join(p for p in parts if p) or "unknown adapter"
+        return cls(device, name, features, limits)
+
+    def _create_buffer(self, size, usage):
+        return self._device.createBuffer(_js({"size": size, "usage": usage}))
+
+    def _destroy(self, buffer):
+        buffer.destroy()
+
+    def _write(self, buffer, offset, data):
+        import js
+
+        array = js.Uint8Array.new(len(data))
+        array.assign(data)
+        self._device.queue.writeBuffer(buffer, offset, array)
+
+    async def _map_read(self, buffer, size):
+        import js
+
+        await buffer.mapAsync(MAP_READ, 0, size)
+        data = js.Uint8Array.new(buffer.getMappedRange(0, size)).to_bytes()
+        buffer.unmap()
+        return data
+
+    async def _compute_pipeline(self, wgsl, entry, label):
+        module = self._device.createShaderModule(_js({"code": wgsl, "label": label}))
+        info = await module.getCompilationInfo()
+        errors = [f"{m.lineNum}:{m.linePos} {m.message}" for m in info.messages if m.type == "error"]
+        if errors:
+            raise RuntimeError(f"WGSL of {label} rejected by the browser: " + "; ".join(errors))
+        try:
+            return await self._device.createComputePipelineAsync(
+                _js({"layout": "auto", "compute": {"module": module, "entryPoint": entry}, "label": label})
+            )
+        except Exception as err:  # a GPUPipelineError (e.g. uniformity or limits)
+            raise RuntimeError(f"pipeline {label} rejected by the browser: {err}") from err
+
+    def _bind_group(self, pipeline, buffers):
+        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        return self._device.createBindGroup(_js({"layout": pipeline.getBindGroupLayout(0), "entries": entries}))
+
+    def _create_encoder(self):
+        return self._device.createCommandEncoder()
+
+    def _dispatch(self, encoder, pipeline, bind_group, grid, timestamps):
+        desc = {}
+        if timestamps is not None:
+            queries, begin, end = timestamps
+            desc["timestampWrites"] = {
+                "querySet": queries.query_set,
+                "beginningOfPassWriteIndex": begin,
+                "endOfPassWriteIndex": end,
+            }
+        compute = encoder.beginComputePass(_js(desc))
+        compute.setPipeline(pipeline)
+        compute.setBindGroup(0, bind_group)
+        compute.dispatchWorkgroups(*grid)
+        compute.end()
+
+    def _copy(self, encoder, src, src_offset, dst, dst_offset, nbytes):
+        encoder.copyBufferToBuffer(src, src_offset, dst, dst_offset, nbytes)
+
+    def _create_query_set(self, count):
+        return self._device.createQuerySet(_js({"type": "timestamp", "count": count}))
+
+    def _resolve(self, encoder, timestamps):
+        encoder.resolveQuerySet(timestamps.query_set, 0, timestamps.count, timestamps.resolved, 0)
+
+    def _submit(self, encoder):
+        import js
+
+        self._device.queue.submit(js.Array.of(encoder.finish()))
+
+
+def _js(value):
+    """Python dicts/lists -> plain JS objects/arrays (JS proxies pass through untouched)."""
+    import js
+    from pyodide.ffi import to_js
+
+    return to_js(value, dict_converter=js.Object.fromEntries)
+
+
+def in_browser() -> bool:
+    return sys.platform == "emscripten"
+
+
+async def open_device() -> Device:
+    """The browser's device under Pyodide, else wgpu-py's best adapter."""
+    if in_browser():
+        return await BrowserDevice.open()
+    return await WgpuDevice.open()

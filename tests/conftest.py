@@ -1,0 +1,87 @@
+"""Shared fixtures: the built artifact, a native wgpu device, the served tree, headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STATIC = ROOT / "static"
+ARTIFACT = STATIC / "artifacts" / "kernels"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def artifact_dir() -> Path:
+    """The kernel artifact `make` builds; built here if a test run starts without it."""
+    if not (ARTIFACT / "manifest.json").exists():
+        from kernels.build import build_artifact
+
+        build_artifact(ARTIFACT)
+    return ARTIFACT
+
+
+@pytest.fixture(scope="session")
+def gpu(loop):
+    """wgpu-py on this machine's Vulkan adapter (Mesa lavapipe on CI)."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    from model_glue.webgpu import WgpuDevice
+
+    return loop.run_until_complete(WgpuDevice.open())
+
+
+@pytest.fixture(scope="session")
+def library(loop, gpu, artifact_dir):
+    from model_glue.artifact import KernelLibrary
+
+    return loop.run_until_complete(KernelLibrary.from_folder(gpu, artifact_dir))
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The app's static server on 127.0.0.1 with a free port, for the browser tests."""
+    from app.server import make_server
+
+    httpd = make_server(STATIC, host="127.0.0.1", port=0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+CHROMIUM_FLAGS = [
+    "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--no-first-run", "--disable-quic", "--disable-default-apps", "--disable-extensions",
+]
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """Debian's chromium (never a Playwright download), fresh profile, WebGPU on SwiftShader."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.fail("Debian's chromium is not installed: run `make test`, which installs it")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
+        )
+        yield context
+        context.close()
