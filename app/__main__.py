@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     attn.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                       help="auto: float16 where the adapter has shader-f16")
     attn.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    attn.add_argument("--timing", choices=["auto", "timestamps", "wall"], default="auto",
+                      help="auto: GPU timestamps where the adapter has them, else wall clock")
     attn.add_argument("--json", type=Path, help="also write the results as JSON")
     attn.add_argument("--artifact", type=Path, default=KERNEL_ARTIFACT)
 

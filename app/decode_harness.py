@@ -74,3 +74,19 @@ def _kv_bytes_read(inputs, num_qo_heads, head_dim, itemsize) -> int:
     num_kv_heads = inputs["pages"].shape[2]
     tokens = sum(int(n) for n in inputs["kv_lens"])
     return tokens * num_kv_heads * head_dim * 2 * itemsize
+
+
+def random_paged_inputs(rng, context_lens, num_kv_heads, num_qo_heads, head_dim, page_size=16):
+    """Benchmark inputs: N(0,1) q/K/V, each sequence on its own pages, page ids shuffled."""
+    pages_per_seq = [(n + page_size - 1) // page_size for n in context_lens]
+    num_pages = sum(pages_per_seq)
+    physical = rng.permutation(num_pages).astype(np.int32)
+    return {
+        "q": rng.standard_normal((len(context_lens), num_qo_heads, head_dim)),
+        "pages": rng.standard_normal((num_pages, 2, num_kv_heads, page_size, head_dim)),
+        "page_table_indptr": np.concatenate([[0], np.cumsum(pages_per_seq)]).astype(np.int32),
+        "page_table_values": physical,
+        "length_info": np.array([n - (p - 1) * page_size for n, p in zip(context_lens, pages_per_seq)], np.int32),
+        "sm_scale": 1.0 / np.sqrt(head_dim),
+        "kv_lens": list(context_lens),
+    }

@@ -26,7 +26,7 @@ DEFAULT_WORKGROUP_STORAGE_BYTES = 16384
 MAX_INVOCATIONS = 256
 
 _WGSL_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
-_BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+)>")
+_BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
 _WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|(\w+)), (\d+)>")
 _POD_STRUCT_RE = re.compile(r"struct PODArgs \{(.*?)\}", re.S)
 

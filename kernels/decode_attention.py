@@ -21,7 +21,10 @@ sharded (`decode_attention_sharded`, written here)
         threadIdx.y = lane   in [0, LANES_PER_SHARD)   LANES_PER_SHARD = head_dim / 64
 
     Position p of the context belongs to shard p % NUM_SHARDS (so neighbouring shards read
-    neighbouring K/V rows). A lane keeps 64 dims of q (pre-scaled by sm_scale*log2 e) and of its
+    neighbouring K/V rows). Q and pages are bound as 4-wide vectors (`float16x4`, same bytes as
+    the scalar layout), so a lane reads its 64 dims of a K or V row in 16 loads of 8 bytes;
+    q and O live in 16 float32x4 registers each (fully unrolled loops keep them out of memory).
+    Scalar loads ran 2-4x slower on the H200. A lane keeps 64 dims of q (pre-scaled by sm_scale*log2 e) and of its
     running O in registers, and a running (max, denominator) per shard: an online softmax over the
     shard's positions. With several lanes a q.k dot is split; the lanes' partial dots meet in a
     workgroup array. Two arrays (ping, pong) alternate in a loop unrolled by two, so TVM's barrier
@@ -76,7 +79,11 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
     GROUP_SIZE = H_qo // H_kv
     LANES_PER_SHARD = D // LANE_DIMS
     NUM_SHARDS = WORKGROUP_INVOCATIONS // LANES_PER_SHARD
-    HALF_D = D // 2  # RoPE pairs dim d with d +- D/2 (TVM's rotate-half convention)
+    # K, V and q are read as 4-wide vectors (one 8-byte f16 / 16-byte f32 load instead of four).
+    VEC = 4
+    VEC_DTYPE = f"{dtype}x{VEC}"
+    LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers
+    HALF_CHUNKS = D // 2 // VEC  # RoPE pairs dim d with d +- D/2 (TVM's rotate-half convention)
     # Phase-2 merge: a stage of 2048 f32 (8 KiB) holds MERGE_SHARDS rows of D values.
     MERGE_SHARDS = 2048 // D
     MERGE_ROUNDS = NUM_SHARDS // MERGE_SHARDS
@@ -96,15 +103,24 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
             return T.if_then_else(pos < length_info[2, b], pos, pos - length_info[2, b] + length_info[1, b])
         return pos
 
-    def rope(x, partner, pos, d, rope_scale, rope_theta):
-        """x[d] rotated at position pos; partner is x[d + D/2] (d < D/2) or x[d - D/2]."""
-        inv_freq = T.exp2(T.Cast("float32", (2 * d) % D) / T.float32(D) * -T.log2(rope_theta))
-        angle = T.Cast("float32", pos) * rope_scale * inv_freq
-        sign = T.if_then_else(d < HALF_D, T.float32(-1), T.float32(1))
-        return x * T.cos(angle) + sign * partner * T.sin(angle)
+    def rope4(x4, partner4, pos, chunk, rope_scale, rope_theta):
+        """Dims 4*chunk..4*chunk+3 of a vector rotated at `pos`, in f32x4.
 
-    def partner_dim(d):
-        return T.if_then_else(d < HALF_D, d + HALF_D, d - HALF_D)
+        partner4 holds dims d + D/2 (first half) or d - D/2 (second half); a chunk never straddles
+        D/2, so the sign of the rotation is one scalar per chunk.
+        """
+        first_half = chunk < HALF_CHUNKS
+        freq_dim = T.Ramp(T.if_then_else(first_half, chunk, chunk - HALF_CHUNKS) * VEC, 1, VEC)
+        inv_freq = T.exp2(T.Cast("float32x4", 2 * freq_dim) * (-T.log2(rope_theta) / T.float32(D)))
+        angle = T.Broadcast(T.Cast("float32", pos) * rope_scale, VEC) * inv_freq
+        sign = T.if_then_else(first_half, T.float32(-1), T.float32(1))
+        return x4 * T.cos(angle) + T.Broadcast(sign, VEC) * partner4 * T.sin(angle)
+
+    def partner_chunk(chunk):
+        return T.if_then_else(chunk < HALF_CHUNKS, chunk + HALF_CHUNKS, chunk - HALF_CHUNKS)
+
+    def lane_sum(v4):
+        return T.Shuffle([v4], [0]) + T.Shuffle([v4], [1]) + T.Shuffle([v4], [2]) + T.Shuffle([v4], [3])
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -119,8 +135,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
-        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, page_size, D), dtype)
+        Q = T.match_buffer(Q_handle, (B, H_qo, D // VEC), VEC_DTYPE)  # same bytes as [B, H_qo, D]
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, page_size, D // VEC), VEC_DTYPE)
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32")
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32")
         length_info = T.match_buffer(var_length_info, (3, B) if sliding_window else (B,), "int32")
@@ -141,13 +157,15 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                             shard_max = T.sblock_alloc_buffer((NUM_SHARDS,), "float32", scope="shared")
                             shard_sum = T.sblock_alloc_buffer((NUM_SHARDS,), "float32", scope="shared")
                             o_stage = T.sblock_alloc_buffer((MERGE_SHARDS * STAGE_STRIDE,), "float32", scope="shared")
-                            q_local = T.sblock_alloc_buffer((LANE_DIMS,), "float32", scope="local")
-                            o_local = T.sblock_alloc_buffer((LANE_DIMS,), "float32", scope="local")
+                            q_local = T.sblock_alloc_buffer((LANE_CHUNKS,), "float32x4", scope="local")
+                            o_local = T.sblock_alloc_buffer((LANE_CHUNKS,), "float32x4", scope="local")
+                            dot = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
                             state = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, M, d_total
                             acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
 
                             kv_head: T.let[T.int32] = h // GROUP_SIZE
                             dim0: T.let[T.int32] = lane * LANE_DIMS
+                            chunk0: T.let[T.int32] = lane * LANE_CHUNKS
                             indptr_begin: T.let[T.int32] = page_table_indptr[b]
                             indptr_end: T.let[T.int32] = page_table_indptr[b + 1]
                             kv_len: T.let[T.int32] = T.if_then_else(
@@ -155,15 +173,15 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                             q_pos: T.let[T.int32] = q_rope_position[b]
 
                             # q in registers, pre-scaled so scores land in the log2 domain.
-                            for j in T.serial(LANE_DIMS):
-                                q_local[j] = T.if_then_else(
+                            for c in T.unroll(LANE_CHUNKS):
+                                q_local[c] = T.if_then_else(
                                     rotary_mode == 1,
-                                    rope(T.Cast("float32", Q[b, h, dim0 + j]),
-                                         T.Cast("float32", Q[b, h, partner_dim(dim0 + j)]),
-                                         q_pos, dim0 + j, rope_scale, rope_theta),
-                                    T.Cast("float32", Q[b, h, dim0 + j]),
-                                ) * (sm_scale * LOG2_E)
-                                o_local[j] = T.float32(0)
+                                    rope4(T.Cast("float32x4", Q[b, h, chunk0 + c]),
+                                          T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c)]),
+                                          q_pos, chunk0 + c, rope_scale, rope_theta),
+                                    T.Cast("float32x4", Q[b, h, chunk0 + c]),
+                                ) * T.Broadcast(sm_scale * LOG2_E, VEC)
+                                o_local[c] = T.Broadcast(T.float32(0), VEC)
                             state[0] = T.float32(MASKED_SCORE)
                             state[1] = T.float32(0)
 
@@ -177,16 +195,17 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                         in_context, page_table_values[indptr_begin + seq_offset // page_size], 0)
                                     slot: T.let[T.int32] = seq_offset % page_size
                                     k_pos: T.let[T.int32] = k_rope_pos_offset[b] + pos
-                                    acc[0] = T.float32(0)
+                                    dot[0] = T.Broadcast(T.float32(0), VEC)
                                     if in_context:
-                                        for j in T.serial(LANE_DIMS):
-                                            acc[0] = acc[0] + q_local[j] * T.if_then_else(
+                                        for c in T.unroll(LANE_CHUNKS):
+                                            dot[0] = dot[0] + q_local[c] * T.if_then_else(
                                                 rotary_mode == 1,
-                                                rope(T.Cast("float32", pages[page, 0, kv_head, slot, dim0 + j]),
-                                                     T.Cast("float32", pages[page, 0, kv_head, slot, partner_dim(dim0 + j)]),
-                                                     k_pos, dim0 + j, rope_scale, rope_theta),
-                                                T.Cast("float32", pages[page, 0, kv_head, slot, dim0 + j]),
+                                                rope4(T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
+                                                      T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c)]),
+                                                      k_pos, chunk0 + c, rope_scale, rope_theta),
+                                                T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
                                             )
+                                    acc[0] = lane_sum(dot[0])
                                     if SPLIT_LANES:
                                         # Partial dots meet in ping (even steps) or pong (odd steps).
                                         if half == 0:
@@ -206,9 +225,9 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                         p: T.let[T.float32] = T.exp2(acc[0] - m_new)
                                         state[1] = state[1] * rescale + p
                                         state[0] = m_new
-                                        for j in T.serial(LANE_DIMS):
-                                            o_local[j] = o_local[j] * rescale + p * T.Cast(
-                                                "float32", pages[page, 1, kv_head, slot, dim0 + j])
+                                        for c in T.unroll(LANE_CHUNKS):
+                                            o_local[c] = o_local[c] * T.Broadcast(rescale, VEC) + T.Broadcast(p, VEC) * T.Cast(
+                                                "float32x4", pages[page, 1, kv_head, slot, chunk0 + c])
 
                             # Merge phase 1: global max, rescale, publish denominators.
                             if lane == 0:
@@ -217,8 +236,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                             for s in T.serial(NUM_SHARDS):
                                 state[2] = T.max(state[2], shard_max[s])
                             shard_scale: T.let[T.float32] = T.exp2(state[0] - state[2])
-                            for j in T.serial(LANE_DIMS):
-                                o_local[j] = o_local[j] * shard_scale
+                            for c in T.unroll(LANE_CHUNKS):
+                                o_local[c] = o_local[c] * T.Broadcast(shard_scale, VEC)
                             if lane == 0:
                                 shard_sum[shard] = state[1] * shard_scale
                             state[3] = T.float32(0)
@@ -232,8 +251,9 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                             acc[0] = T.float32(0)
                             for r in T.serial(MERGE_ROUNDS):
                                 if shard // MERGE_SHARDS == r:
-                                    for j in T.serial(LANE_DIMS):
-                                        o_stage[(shard % MERGE_SHARDS) * STAGE_STRIDE + dim0 + j] = o_local[j]
+                                    for c in T.unroll(LANE_CHUNKS):
+                                        for i in T.unroll(VEC):
+                                            o_stage[(shard % MERGE_SHARDS) * STAGE_STRIDE + dim0 + c * VEC + i] = T.Shuffle([o_local[c]], [i])
                                 for row in T.serial(ROWS_PER_SPLIT):
                                     acc[0] = acc[0] + o_stage[(split * ROWS_PER_SPLIT + row) * STAGE_STRIDE + out_dim]
                             # Add up the MERGE_SPLIT slices of each dim (reusing the stage).

@@ -17,11 +17,29 @@ ARTIFACT = STATIC / "artifacts" / "kernels"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+class LoopThread:
+    """An asyncio loop on its own thread: Playwright's sync API keeps a loop running on the main
+    thread while the browser is open, so native async calls cannot run there."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run_until_complete(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
 @pytest.fixture(scope="session")
 def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+    runner = LoopThread()
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="session")

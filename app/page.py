@@ -1,0 +1,102 @@
+"""The Python the page runs under Pyodide (the JS bootstrap only loads it and calls in here).
+
+Everything goes through model_glue's WebGPU seam, so the same functions also run natively
+(the tests call them both ways).
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import struct
+
+from model_glue.artifact import KernelLibrary
+from model_glue.webgpu import open_device
+
+PROBE_ROWS = 8
+PROBE_WIDTH = 256
+PROBE_SCALE = 0.5
+
+
+class Session:
+    """One page session: the device and the kernel library, opened once."""
+
+    def __init__(self, device, library):
+        self.device = device
+        self.library = library
+
+    @classmethod
+    async def open(cls, read_text) -> "Session":
+        device = await open_device()
+        library = await KernelLibrary.load(device, read_text)
+        return cls(device, library)
+
+    @property
+    def dtype(self) -> str:
+        """f16 kernels where the adapter can run them, f32 otherwise (e.g. SwiftShader)."""
+        return "float16" if self.device.has_f16 else "float32"
+
+    async def run_probe(self, seed: int = 0) -> dict:
+        """Row sums through the TVM-built probe kernel, checked against Python's own sums."""
+        rng = random.Random(seed)
+        rows = [[rng.uniform(-1, 1) for _ in range(PROBE_WIDTH)] for _ in range(PROBE_ROWS)]
+        flat = struct.pack(f"<{PROBE_ROWS * PROBE_WIDTH}f", *(v for row in rows for v in row))
+        x = self.device.storage_buffer(len(flat), flat)
+        out = self.device.storage_buffer(PROBE_ROWS * 4)
+        kernel = await self.library.kernel("row_sum_probe")
+        bound = kernel.bind({"x": x, "out": out}, {"n": PROBE_ROWS, "scale": PROBE_SCALE})
+        batch = self.device.batch()
+        bound.dispatch(batch)
+        batch.submit()
+        got = struct.unpack(f"<{PROBE_ROWS}f", await self.device.read(out, PROBE_ROWS * 4))
+        # f32 rounding of the inputs, then a sum in double: the GPU's tree order differs slightly.
+        f32_rows = struct.unpack(f"<{PROBE_ROWS * PROBE_WIDTH}f", flat)
+        want = [PROBE_SCALE * sum(f32_rows[r * PROBE_WIDTH:(r + 1) * PROBE_WIDTH]) for r in range(PROBE_ROWS)]
+        worst = max(abs(g - w) for g, w in zip(got, want))
+        return {"got": list(got), "want": want, "max_abs_error": worst, "ok": worst < 1e-4,
+                "device": self.device.describe()}
+
+    async def compile_kernels(self, names=None) -> dict:
+        """Compile kernels with this device's shader compiler; returns {name: error} for failures."""
+        failures = {}
+        for name in names or list(self.library.specs):
+            spec = self.library.specs[name]
+            if spec["meta"].get("dtype") == "float16" and not self.device.has_f16:
+                continue
+            try:
+                await self.library.kernel(name)
+            except Exception as err:  # report every rejected kernel, not just the first
+                failures[name] = str(err)
+        return failures
+
+    async def run_kernel_b64(self, name: str, buffers: dict, values: dict, outputs: dict) -> dict:
+        """Run one kernel on base64-encoded input buffers; returns the named outputs in base64.
+
+        `outputs` maps buffer name -> byte size. The tests use this to check kernels inside
+        the browser against the same f64 references as natively.
+        """
+        kernel = await self.library.kernel(name)
+        gpu_buffers = {}
+        for buffer_name, data in buffers.items():
+            raw = base64.b64decode(data)
+            gpu_buffers[buffer_name] = self.device.storage_buffer(len(raw), raw)
+        for buffer_name, nbytes in outputs.items():
+            gpu_buffers[buffer_name] = self.device.storage_buffer(nbytes)
+        bound = kernel.bind(gpu_buffers, values)
+        batch = self.device.batch()
+        bound.dispatch(batch)
+        batch.submit()
+        return {n: base64.b64encode(await self.device.read(gpu_buffers[n], size)).decode() for n, size in outputs.items()}
+
+
+async def open_session(base_url: str) -> Session:
+    """Called by the JS bootstrap: fetch the artifact from the page's origin and open WebGPU."""
+    from pyodide.http import pyfetch
+
+    async def read_text(name: str) -> str:
+        response = await pyfetch(f"{base_url}/{name}")
+        if not response.ok:
+            raise OSError(f"GET {base_url}/{name}: HTTP {response.status}")
+        return await response.string()
+
+    return await Session.open(read_text)

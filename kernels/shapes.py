@@ -1,0 +1,31 @@
+"""Attention shapes and kernel names. Imports nothing from TVM: the benchmark reads this on a
+GPU machine that only has the built artifact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_TAGS = {"float16": "f16", "float32": "f32"}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_kv_heads: int
+    num_qo_heads: int
+    head_dim: int
+
+
+# The benchmark's shapes: D=64 8/32, D=128 8/32 (Llama-3.1-8B), D=256 4/8; SmolLM2: 3/9.
+BENCH_SHAPES = [AttentionShape(8, 32, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)]
+MODEL_SHAPES = [AttentionShape(3, 9, 64)]
+# The test grid: every head_dim with GQA groups 1, 3, 4, 8 (small head counts keep lavapipe fast).
+TEST_SHAPES = [AttentionShape(kv, kv * group, d) for d in (64, 128, 256) for kv, group in ((2, 1), (1, 3), (1, 4), (1, 8))]
+# Sliding-window variants (tests): GQA group 4 for each head_dim.
+WINDOW_SHAPES = [AttentionShape(1, 4, d) for d in (64, 128, 256)]
+
+
+def attention_kernel_name(nest: str, shape: AttentionShape, dtype: str, sliding_window: bool) -> str:
+    """The name encodes every compile-time parameter of a decode attention kernel."""
+    window = "_sw" if sliding_window else ""
+    return (f"decode_{nest}_d{shape.head_dim}_kv{shape.num_kv_heads}_qo{shape.num_qo_heads}"
+            f"_{DTYPE_TAGS[dtype]}{window}")

@@ -1,0 +1,104 @@
+"""End to end in Debian's Chromium (headless, SwiftShader WebGPU) through Playwright.
+
+The page loads Pyodide and the project's wheel from 127.0.0.1 only, and Python in the page runs
+TVM-built kernels through navigator.gpu.
+"""
+
+import base64
+import json
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+
+from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
+from kernels.shapes import AttentionShape, attention_kernel_name
+
+pytestmark = pytest.mark.browser
+OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
+BOOT_TIMEOUT_MS = 180_000
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    """The demo page, booted; records every request it makes."""
+    tab = browser.new_page()
+    requests = []
+    tab.on("request", lambda r: requests.append(r.url))
+    console = []
+    tab.on("console", lambda m: console.append(m.text))
+    tab.goto(server + "/")
+    tab.wait_for_function("window.demoState && (window.demoState.ready || window.demoState.error)",
+                          timeout=BOOT_TIMEOUT_MS)
+    state = tab.evaluate("window.demoState")
+    assert state.get("ready"), f"page failed: {state.get('error')}\nconsole: {console[-20:]}"
+    tab.requests = requests
+    yield tab
+    tab.close()
+
+
+def test_page_boots_offline_and_runs_the_probe(page):
+    state = page.evaluate("window.demoState")
+    assert state["probe"]["ok"], state["probe"]
+    hosts = {urlsplit(u).hostname for u in page.requests if not u.startswith(("data:", "blob:"))}
+    assert hosts == {"127.0.0.1"}, f"requests left 127.0.0.1: {sorted(hosts)}"
+    OUTPUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUTPUT / "page-probe.png"), full_page=True)
+    (OUTPUT / "browser-adapter.json").write_text(json.dumps(state["device"], indent=1))
+    assert "ok" in page.inner_text("#probe-verdict").lower()
+
+
+def test_no_webgpu_is_said_plainly(browser, server):
+    tab = browser.new_page()
+    tab.add_init_script("Object.defineProperty(Navigator.prototype, 'gpu', {get: undefined}); delete Navigator.prototype.gpu;")
+    tab.goto(server + "/")
+    tab.wait_for_function("window.demoState && window.demoState.error", timeout=30_000)
+    assert "no WebGPU" in tab.inner_text("#error")
+    tab.close()
+
+
+def test_every_f32_kernel_compiles_in_chromium(page):
+    """Tint (Chromium's WGSL compiler) enforces uniformity rules that naga may not."""
+    failures = page.evaluate(
+        "async () => (await window.demo.session.compile_kernels()).toJs({dict_converter: Object.fromEntries})")
+    assert failures == {}
+
+
+def _b64(array) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
+
+
+@pytest.mark.parametrize("nest", ["tiled", "sharded"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attention_in_chromium_matches_reference(page, head_dim, nest):
+    shape = AttentionShape(1, 4, head_dim)
+    rng = np.random.default_rng(head_dim)
+    inputs = make_paged_inputs(rng, [17, 257, 1000], 1, 4, head_dim, "float32")
+    batch, heads = 3, 4
+    args = {
+        "name": attention_kernel_name(nest, shape, "float32", False),
+        "buffers": {
+            "Q": _b64(inputs["q"].astype(np.float32)), "pages": _b64(inputs["pages"].astype(np.float32)),
+            "page_table_indptr": _b64(inputs["page_table_indptr"].astype(np.int32)),
+            "page_table_values": _b64(inputs["page_table_values"].astype(np.int32)),
+            "length_info": _b64(inputs["length_info"].astype(np.int32)),
+            "k_rope_pos_offset": _b64(np.zeros(batch, np.int32)), "q_rope_position": _b64(np.zeros(batch, np.int32)),
+        },
+        "values": {"B": batch, "nnz_pages": len(inputs["page_table_values"]), "max_num_pages": inputs["pages"].shape[0],
+                   "rotary_mode": 0, "rope_scale": 1.0, "rope_theta": 1e4, "sm_scale": float(inputs["sm_scale"])},
+        "outputs": {"output": batch * heads * head_dim * 4, "lse": batch * heads * 4},
+    }
+    result = page.evaluate(
+        """async (a) => {
+             const py = window.demo.pyodide;
+             const r = await window.demo.session.run_kernel_b64(a.name, py.toPy(a.buffers), py.toPy(a.values), py.toPy(a.outputs));
+             return r.toJs({dict_converter: Object.fromEntries});
+           }""", args)
+    out = np.frombuffer(base64.b64decode(result["output"]), np.float32).reshape(batch, heads, head_dim)
+    lse = np.frombuffer(base64.b64decode(result["lse"]), np.float32).reshape(batch, heads)
+    ref_out, ref_lse = decode_attention_reference(
+        inputs["q"], inputs["pages"], inputs["page_table_indptr"], inputs["page_table_values"],
+        inputs["length_info"], inputs["sm_scale"])
+    assert relative_l2(out, ref_out) <= 1e-5
+    assert float(np.max(np.abs(lse - ref_lse))) <= 1e-3
