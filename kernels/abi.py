@@ -23,6 +23,9 @@ _BINARY_OPS = {
     tirx.Min: "min",
     tirx.Max: "max",
 }
+_BINARY_OPS[tvm.ir.prim.expr.RShift] = ">>"  # ceildiv by a power of two lowers to a shift
+_BINARY_OPS[tvm.ir.prim.expr.LShift] = "<<"
+_CALL_OPS = {"tirx.shift_right": ">>", "tirx.shift_left": "<<"}
 
 
 def expr_to_json(expr):
@@ -33,6 +36,8 @@ def expr_to_json(expr):
         return expr.name
     if isinstance(expr, tirx.Cast):
         return expr_to_json(expr.value)
+    if isinstance(expr, tvm.ir.expr.Call) and expr.op.name in _CALL_OPS:
+        return [_CALL_OPS[expr.op.name], expr_to_json(expr.args[0]), expr_to_json(expr.args[1])]
     for node_type, op in _BINARY_OPS.items():
         if isinstance(expr, node_type):
             return [op, expr_to_json(expr.a), expr_to_json(expr.b)]

@@ -75,6 +75,8 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
     Fails when the kernel needs more than WebGPU's default workgroup storage or invocations, so a
     kernel that would only run on generous adapters never reaches the artifact.
     """
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"kernel name {name!r} must be an identifier (it becomes the WGSL entry point)")
     started = time.perf_counter()
     func = func.with_attr("global_symbol", name)
     mod = tvm.IRModule({name: func})

@@ -19,6 +19,38 @@ class ArtifactError(RuntimeError):
     """The artifact is missing, from another format version, or corrupted."""
 
 
+def folder_readers(folder):
+    """(read_text, read_bytes) over a local folder: the native runtime's way to an artifact."""
+    root = Path(folder)
+
+    async def read_text(name: str) -> str:
+        return (root / name).read_text()
+
+    async def read_bytes(name: str) -> bytes:
+        return (root / name).read_bytes()
+
+    return read_text, read_bytes
+
+
+def http_readers(base_url: str):
+    """(read_text, read_bytes) over HTTP from the page's origin (Pyodide's pyfetch)."""
+    from pyodide.http import pyfetch
+
+    async def fetch(name: str):
+        response = await pyfetch(f"{base_url}/{name}")
+        if not response.ok:
+            raise OSError(f"GET {base_url}/{name}: HTTP {response.status}")
+        return response
+
+    async def read_text(name: str) -> str:
+        return await (await fetch(name)).string()
+
+    async def read_bytes(name: str) -> bytes:
+        return await (await fetch(name)).bytes()
+
+    return read_text, read_bytes
+
+
 class KernelLibrary:
     """Kernels of one artifact folder, compiled on first use and cached by name."""
 
@@ -42,14 +74,9 @@ class KernelLibrary:
 
     @classmethod
     async def from_folder(cls, device, folder) -> "KernelLibrary":
-        root = Path(folder)
-
-        async def read_text(name: str) -> str:
-            return (root / name).read_text()
-
-        if not (root / MANIFEST).exists():
-            raise ArtifactError(f"no {MANIFEST} in {root}; build it with `python -m app build`")
-        return await cls.load(device, read_text)
+        if not (Path(folder) / MANIFEST).exists():
+            raise ArtifactError(f"no {MANIFEST} in {folder}; build it with `python -m app build`")
+        return await cls.load(device, folder_readers(folder)[0])
 
     def names(self, **meta) -> list[str]:
         """Kernel names whose meta matches every given key."""

@@ -16,6 +16,8 @@ _OPS = {
     "*": lambda a, b: a * b,
     "//": lambda a, b: a // b,
     "%": lambda a, b: a % b,
+    ">>": lambda a, b: a >> b,
+    "<<": lambda a, b: a << b,
     "min": min,
     "max": max,
 }
@@ -81,6 +83,11 @@ class BoundKernel:
         self.bind_group = bind_group
         self.grid = grid
         self.uniform = uniform  # kept alive with the bind group
+
+    def update(self, values: dict[str, float]) -> None:
+        """New scalar/shape values for the same buffers (rewrites the uniform in place)."""
+        self.grid = self.kernel.grid(values)
+        self.kernel.device.write(self.uniform, self.kernel.pod_bytes(values, self.grid[0]))
 
     def dispatch(self, batch, timestamps=None) -> None:
         batch.dispatch(self.kernel.pipeline, self.bind_group, self.grid, timestamps)

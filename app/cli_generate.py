@@ -1,0 +1,41 @@
+"""`python -m app generate`: one chat turn natively, streamed, then the per-step table."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from app.chat import ChatSession
+from model_glue.artifact import KernelLibrary, folder_readers
+from model_glue.model import ModelError
+from model_glue.webgpu import WgpuDevice
+
+
+def format_stats_table(stats: list[dict]) -> str:
+    lines = [f"{'step':>4} {'kind':>7} {'tokens':>6} {'context':>7} {'nest':>7} {'attn ms':>8} {'step ms':>8}"]
+    for i, s in enumerate(stats):
+        attn = "-" if s["attention_ms"] is None else f"{s['attention_ms']:.3f}"
+        lines.append(f"{i:>4} {s['kind']:>7} {s['tokens']:>6} {s['context']:>7} {s['nest']:>7} {attn:>8} "
+                     f"{s['step_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
+async def run_generate(args) -> int:
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    device = await WgpuDevice.open()
+    library = await KernelLibrary.from_folder(device, args.kernels)
+    try:
+        chat = await ChatSession.load(device, library, folder_readers(args.model),
+                                      dtype=None if args.dtype == "auto" else args.dtype,
+                                      progress=lambda m: print(f"[{m}]", file=sys.stderr))
+        print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
+        result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, attention=args.attention,
+                                  on_text=lambda piece: print(piece, end="", flush=True))
+    except (ModelError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print()
+    print(f"[{result['stop_reason']}; prompt {result['prompt_tokens']} tokens, {len(result['token_ids'])} generated]",
+          file=sys.stderr)
+    print(format_stats_table(result["stats"]))
+    return 0

@@ -1,0 +1,295 @@
+"""TIR kernels for a Llama-shaped model with 4-bit weights (every kernel but attention).
+
+Weights use the artifact's packing (model_glue.convert): a Q4 matrix W[out, in] is `q4` u32
+[out, in/8] (element 8w+k in bits 4k..4k+3 of word w), `scale` and `min` f32 [out, in/32]
+(value = q * scale + min); the Q8 embedding is `q8` u32 [vocab, dim/4] (signed bytes) and
+`scale` f32 [vocab, dim/32]. Activations are `dtype` (f16 where the adapter has shader-f16, f32
+otherwise); every sum accumulates in f32.
+
+Each builder takes the shape parameters and returns one PrimFunc; `n` (tokens) is symbolic.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+THREADS = 256
+BLOCK = 32  # quantization block: one scale (and min) per 32 weights
+
+
+def _sign_extend_byte(word, k):
+    """Byte k of a u32 as a signed int32 (shift it to the top, then arithmetic-shift down)."""
+    return T.shift_right(T.shift_left(T.reinterpret("int32", word), 24 - 8 * k), 24)
+
+
+def embedding_q8(vocab: int, dim: int, dtype: str):
+    """out[i, :] = dequantized row ids[i] of the Q8 embedding. One workgroup per token."""
+    WORDS = dim // 4
+    WORD_TRIPS = (WORDS + THREADS - 1) // THREADS
+
+    @T.prim_func(s_tir=True)
+    def embedding(ids_h: T.handle, q8_h: T.handle, scale_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        ids = T.match_buffer(ids_h, (n,), "int32")
+        q8 = T.match_buffer(q8_h, (vocab, WORDS), "uint32")
+        scale = T.match_buffer(scale_h, (vocab, dim // BLOCK), "float32")
+        out = T.match_buffer(out_h, (n, dim), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("embedding"):
+                    T.reads()
+                    T.writes()
+                    row: T.let[T.int32] = ids[i]
+                    for trip in T.serial(WORD_TRIPS):
+                        w: T.let[T.int32] = trip * THREADS + t
+                        if w < WORDS:
+                            word: T.let[T.uint32] = q8[row, w]
+                            s: T.let[T.float32] = scale[row, w * 4 // BLOCK]
+                            for k in T.unroll(4):
+                                out[i, w * 4 + k] = T.Cast(dtype, T.Cast("float32", _sign_extend_byte(word, k)) * s)
+
+    return embedding
+
+
+def rms_norm(dim: int, eps: float, dtype: str):
+    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row."""
+    TRIPS = (dim + THREADS - 1) // THREADS
+    LEVELS = THREADS.bit_length() - 1
+
+    @T.prim_func(s_tir=True)
+    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        x = T.match_buffer(x_h, (n, dim), dtype)
+        weight = T.match_buffer(weight_h, (dim,), "float32")
+        out = T.match_buffer(out_h, (n, dim), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rms_norm"):
+                    T.reads()
+                    T.writes()
+                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            v: T.let[T.float32] = T.Cast("float32", x[i, trip * THREADS + t])
+                            acc[0] = acc[0] + v * v
+                    partial[t] = acc[0]
+                    for level in T.unroll(LEVELS):
+                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+                        if t < half:
+                            partial[t] = partial[t] + partial[t + half]
+                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + T.float32(eps))
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            out[i, trip * THREADS + t] = T.Cast(
+                                dtype, T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t])
+
+    return rms_norm_kernel
+
+
+def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_format: str,
+                     tokens_per_group: int, residual: bool, out_dtype: str | None = None):
+    """y[n, out] = x[n, in] @ W^T (+ resid), W in the q4 or q8 packing.
+
+    256 invocations = ROWS (8) output rows x LANES (32) lanes; a lane walks the row's packed
+    words with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once
+    and applies it to TOKENS tokens (1 for decode, more for prefill so weights are reused).
+    The 32 lane partials of each (row, token) meet in workgroup memory.
+    """
+    ROWS, LANES = 8, 32
+    TOKENS = tokens_per_group
+    PER_WORD = 8 if weight_format == "q4" else 4
+    WORDS = in_features // PER_WORD
+    WORD_TRIPS = (WORDS + LANES - 1) // LANES
+    out_dtype = out_dtype or dtype
+    assert out_features % ROWS == 0 and in_features % BLOCK == 0
+
+    def weight_value(word, k, s, m):
+        if weight_format == "q4":
+            return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15))) * s + m
+        return T.Cast("float32", _sign_extend_byte(word, k)) * s
+
+    @T.prim_func(s_tir=True)
+    def matmul(x_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        x = T.match_buffer(x_h, (n, in_features), dtype)
+        w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
+        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
+        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
+        resid = T.match_buffer(resid_h, (n, out_features), out_dtype)
+        y = T.match_buffer(y_h, (n, out_features), out_dtype)
+        for rb in T.thread_binding(out_features // ROWS, thread="blockIdx.x"):
+            for tb in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
+                for r in T.thread_binding(ROWS, thread="threadIdx.y"):
+                    for lane in T.thread_binding(LANES, thread="threadIdx.x"):
+                        with T.sblock("matmul"):
+                            T.reads()
+                            T.writes()
+                            partial = T.sblock_alloc_buffer((ROWS * TOKENS * LANES,), "float32", scope="shared")
+                            acc = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
+                            total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                            row: T.let[T.int32] = rb * ROWS + r
+                            tok0: T.let[T.int32] = tb * TOKENS
+                            for j in T.unroll(TOKENS):
+                                acc[j] = T.float32(0)
+                            for trip in T.serial(WORD_TRIPS):
+                                wi: T.let[T.int32] = trip * LANES + lane
+                                if wi < WORDS:
+                                    word: T.let[T.uint32] = w[row, wi]
+                                    blk: T.let[T.int32] = wi * PER_WORD // BLOCK
+                                    s: T.let[T.float32] = scale[row, blk]
+                                    m: T.let[T.float32] = T.if_then_else(weight_format == "q4", wmin[row, blk], T.float32(0))
+                                    for k in T.unroll(PER_WORD):
+                                        wv: T.let[T.float32] = weight_value(word, k, s, m)
+                                        for j in T.unroll(TOKENS):
+                                            if tok0 + j < n:
+                                                acc[j] = acc[j] + wv * T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
+                            for j in T.unroll(TOKENS):
+                                partial[(r * TOKENS + j) * LANES + lane] = acc[j]
+                            if lane < TOKENS:
+                                if tok0 + lane < n:
+                                    total[0] = T.float32(0)
+                                    for l in T.serial(LANES):
+                                        total[0] = total[0] + partial[(r * TOKENS + lane) * LANES + l]
+                                    if residual:
+                                        y[tok0 + lane, row] = T.Cast(out_dtype, total[0] + T.Cast("float32", resid[tok0 + lane, row]))
+                                    else:
+                                        y[tok0 + lane, row] = T.Cast(out_dtype, total[0])
+
+    return matmul
+
+
+def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str, page_size: int = 16):
+    """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
+
+    qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].
+    SmolLM2's GGUF permutes its Q/K weights for adjacent pairs (x[2i], x[2i+1]).
+    """
+    H, HKV, D = n_heads, n_kv_heads, head_dim
+    PAIRS = (H + HKV) * D // 2  # rotated pairs per token (q heads, then k heads)
+    V_ELEMS = HKV * D
+    ROPE_TRIPS = (PAIRS + THREADS - 1) // THREADS
+    V_TRIPS = (V_ELEMS + THREADS - 1) // THREADS
+    QKV = (H + 2 * HKV) * D
+
+    @T.prim_func(s_tir=True)
+    def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        num_pages = T.int32()
+        qkv = T.match_buffer(qkv_h, (n, QKV), dtype)
+        positions = T.match_buffer(positions_h, (n,), "int32")
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        pages = T.match_buffer(pages_h, (num_pages, 2, HKV, page_size, D), dtype)
+        q = T.match_buffer(q_h, (n, H, D), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rope_append"):
+                    T.reads()
+                    T.writes()
+                    page: T.let[T.int32] = slots[i] // page_size
+                    slot: T.let[T.int32] = slots[i] % page_size
+                    for trip in T.serial(ROPE_TRIPS):
+                        p: T.let[T.int32] = trip * THREADS + t
+                        if p < PAIRS:
+                            head: T.let[T.int32] = p // (D // 2)
+                            pair: T.let[T.int32] = p % (D // 2)
+                            x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
+                            x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
+                            inv_freq: T.let[T.float32] = T.exp2(T.Cast("float32", 2 * pair) * T.float32(-_log2(rope_theta) / D))
+                            angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
+                            c: T.let[T.float32] = T.cos(angle)
+                            sn: T.let[T.float32] = T.sin(angle)
+                            if head < H:
+                                q[i, head, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
+                                q[i, head, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
+                            else:
+                                pages[page, 0, head - H, slot, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
+                                pages[page, 0, head - H, slot, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
+                    for trip in T.serial(V_TRIPS):
+                        e: T.let[T.int32] = trip * THREADS + t
+                        if e < V_ELEMS:
+                            pages[page, 1, e // D, slot, e % D] = qkv[i, (H + HKV) * D + e]
+
+    return rope_append
+
+
+def _log2(x: float) -> float:
+    import math
+
+    return math.log2(x)
+
+
+def swiglu(ffn_dim: int, dtype: str):
+    """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j]."""
+
+    @T.prim_func(s_tir=True)
+    def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
+        h = T.match_buffer(h_h, (n, ffn_dim), dtype)
+        for jb in T.thread_binding(T.ceildiv(ffn_dim, THREADS), thread="blockIdx.x"):
+            for i in T.thread_binding(n, thread="blockIdx.y"):
+                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    with T.sblock("swiglu"):
+                        T.reads()
+                        T.writes()
+                        j: T.let[T.int32] = jb * THREADS + t
+                        if j < ffn_dim:
+                            g: T.let[T.float32] = T.Cast("float32", gate_up[i, j])
+                            h[i, j] = T.Cast(dtype, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", gate_up[i, ffn_dim + j]))
+
+    return swiglu_kernel
+
+
+def argmax(vocab: int):
+    """out[0] = index of the largest logit (the lowest index on ties, like numpy)."""
+    TRIPS = (vocab + THREADS - 1) // THREADS
+    LEVELS = THREADS.bit_length() - 1
+
+    @T.prim_func(s_tir=True)
+    def argmax_kernel(logits_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        logits = T.match_buffer(logits_h, (1, vocab), "float32")
+        out = T.match_buffer(out_h, (1,), "int32")
+        for g in T.thread_binding(1, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("argmax"):
+                    T.reads()
+                    T.writes()
+                    # (value, index) pairs; indices kept as f32 (exact below 2^24) so one shared
+                    # array holds both (TVM's storage planner rejected mixed-type shared arrays here).
+                    best = T.sblock_alloc_buffer((2 * THREADS,), "float32", scope="shared")
+                    val = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                    val[0] = T.float32(-3.0e38)
+                    val[1] = T.float32(vocab)
+                    for trip in T.serial(TRIPS):
+                        k: T.let[T.int32] = trip * THREADS + t  # increasing, so '>' keeps the first max
+                        if k < vocab:
+                            if logits[0, k] > val[0]:
+                                val[0] = logits[0, k]
+                                val[1] = T.Cast("float32", k)
+                    best[t] = val[0]
+                    best[THREADS + t] = val[1]
+                    for level in T.unroll(LEVELS):
+                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+                        # Every thread reads (unconditionally: TVM places barriers outside
+                        # conditions), then the lower half keeps the better pair.
+                        partner: T.let[T.int32] = T.min(t + half, THREADS - 1)
+                        val[0] = best[partner]
+                        val[1] = best[THREADS + partner]
+                        val[2] = best[t]
+                        val[3] = best[THREADS + t]
+                        if t < half:
+                            if (val[0] > val[2]) | ((val[0] == val[2]) & (val[1] < val[3])):
+                                best[t] = val[0]
+                                best[THREADS + t] = val[1]
+                    if t == 0:
+                        out[0] = T.Cast("int32", best[THREADS])
+
+    return argmax_kernel

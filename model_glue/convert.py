@@ -1,0 +1,470 @@
+"""Host-side converter: a llama GGUF (Q4_1 matrices, Q8_0 tied embedding) -> the WebGPU weight artifact.
+
+This module runs on the build machine only (it needs numpy and gguf); nothing the browser loads
+imports it. The GPU kernels read the artifact's packing directly, so the format here is a contract:
+
+* `weights.bin` -- every tensor back to back, each starting at a 256-byte aligned offset (WebGPU
+  storage-buffer offsets must be aligned, and 256 covers every adapter's limit), little-endian.
+* Q4_1 matrix `W[out, in]` -> `<name>.q4` uint32 `[out, in/8]` (element 8w+k in bits 4k..4k+3 of
+  word w), `<name>.scale` float32 `[out, in/32]` (block d) and `<name>.min` float32
+  `[out, in/32]` (block m); value = scale * code + min. The 4-bit codes are kept bit-exact.
+* Q8_0 embedding -> `embed.q8` uint32 `[vocab, dim/4]` (element 4w+k in byte k of word w, int8)
+  and `embed.scale` float32 `[vocab, dim/32]`; it doubles as the LM head (tied embeddings).
+* Norm vectors as float32.
+* Fused matrices so one dispatch serves several projections: `layers.{i}.qkv` (q, k, v rows),
+  `layers.{i}.o`, `layers.{i}.gate_up` (gate rows then up rows), `layers.{i}.down`.
+* `manifest.json` -- config, source, every tensor's offset/nbytes/dtype/shape/sha256. It is
+  written last by atomic rename, so a folder without it (or with a stale one whose hashes do not
+  match) is detectably incomplete.
+
+The GGUF's attn_q / attn_k rows are stored permuted for llama.cpp's adjacent-pair RoPE (rotate
+(x[2i], x[2i+1]) by theta^(-2i/head_dim)); we keep that order, so the runtime must use
+adjacent-pair RoPE too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+FORMAT = 1
+KIND = "llama-q4"
+ALIGN = 256
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.bin"
+MAX_CONTEXT = 8192
+QBLOCK = 32  # elements per Q4_1 / Q8_0 block
+
+Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles
+Q8_0_BLOCK_BYTES = 34  # f16 d, 32 int8
+
+
+class ConvertError(RuntimeError):
+    """The source GGUF is not the llama/Q4_1 shape we convert, or an artifact is missing/corrupt."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Block codecs (GGUF raw bytes <-> codes + scales) and our word packing.
+# ----------------------------------------------------------------------------------------------
+
+def split_q4_1(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_1 rows (uint8 [rows, cols/32*20]) -> (codes uint8 [rows, cols], d f32, m f32 [rows, cols/32]).
+
+    Within a block, byte j holds element j in its low nibble and element j+16 in its high nibble;
+    splitting explicitly keeps the codes exact instead of re-deriving them from floats.
+    """
+    rows = raw.shape[0]
+    nb = cols // QBLOCK
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q4_1_BLOCK_BYTES)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[:, :, 4:20]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [rows, nb, 32]: low nibbles then high
+    return codes.reshape(rows, cols), d, m
+
+
+def split_q8_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 rows (uint8 [rows, cols/32*34]) -> (codes int8 [rows, cols], d f32 [rows, cols/32])."""
+    rows = raw.shape[0]
+    nb = cols // QBLOCK
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q8_0_BLOCK_BYTES)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[:, :, 2:].copy().view(np.int8)
+    return codes.reshape(rows, cols), d
+
+
+def pack_q4(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes uint8 [rows, cols] -> uint32 [rows, cols/8], element 8w+k in bits 4k..4k+3 of word w.
+
+    One u32 load then gives a shader eight consecutive weights of the row.
+    """
+    rows, cols = codes.shape
+    nib = codes.reshape(rows, cols // 8, 8).astype(np.uint32)
+    shifts = (np.arange(8, dtype=np.uint32) * 4).reshape(1, 1, 8)
+    return np.bitwise_or.reduce(nib << shifts, axis=2).astype("<u4")
+
+
+def unpack_q4(words: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_q4`: uint32 [rows, cols/8] -> uint8 codes [rows, cols]."""
+    rows, nw = words.shape
+    shifts = (np.arange(8, dtype=np.uint32) * 4).reshape(1, 1, 8)
+    return ((words.astype(np.uint32)[:, :, None] >> shifts) & 0xF).astype(np.uint8).reshape(rows, nw * 8)
+
+
+def pack_q8(codes: np.ndarray) -> np.ndarray:
+    """int8 codes [rows, cols] -> uint32 [rows, cols/4] with element 4w+k in byte k (little-endian)."""
+    rows, cols = codes.shape
+    return np.ascontiguousarray(codes.astype(np.int8)).view("<u4").reshape(rows, cols // 4)
+
+
+def unpack_q8(words: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_q8`: uint32 [rows, cols/4] -> int8 codes [rows, cols]."""
+    rows, nw = words.shape
+    return np.ascontiguousarray(words.astype("<u4")).view(np.int8).reshape(rows, nw * 4)
+
+
+def dequant_q4(words: np.ndarray, scale: np.ndarray, minv: np.ndarray) -> np.ndarray:
+    """Our Q4 packing -> dense float32 [rows, cols], computed as (d * q) + m in float32 like gguf does,
+    so the result equals gguf's own dequantization bit for bit."""
+    codes = unpack_q4(words).astype(np.float32)
+    rows, cols = codes.shape
+    q = codes.reshape(rows, cols // QBLOCK, QBLOCK)
+    return ((scale[:, :, None] * q) + minv[:, :, None]).reshape(rows, cols)
+
+
+def dequant_q8(words: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Our Q8 packing -> dense float32 [rows, cols] (code * d in float32, as gguf does)."""
+    codes = unpack_q8(words).astype(np.float32)
+    rows, cols = codes.shape
+    return (codes.reshape(rows, cols // QBLOCK, QBLOCK) * scale[:, :, None]).reshape(rows, cols)
+
+
+def q4_tensors(name: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The three artifact tensors for one Q4 matrix."""
+    return [(f"{name}.q4", pack_q4(codes)),
+            (f"{name}.scale", np.ascontiguousarray(d, dtype="<f4")),
+            (f"{name}.min", np.ascontiguousarray(m, dtype="<f4"))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Artifact writer / reader.
+# ----------------------------------------------------------------------------------------------
+
+def _dtype_name(arr: np.ndarray) -> str:
+    if arr.dtype == np.uint32:
+        return "uint32"
+    if arr.dtype == np.float32:
+        return "float32"
+    raise ConvertError(f"artifact tensors are uint32 or float32, got {arr.dtype}")
+
+
+def write_artifact(out_dir, config: dict, source: dict, tensors: Iterable[tuple[str, np.ndarray]],
+                   log: Callable[[str], None] = lambda s: None) -> dict:
+    """Stream `tensors` into weights.bin (256-byte aligned) and then write manifest.json atomically.
+
+    Any existing manifest is removed first, so a crash mid-write never leaves a manifest that
+    describes a half-written weights file.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    tmp_weights = out / (WEIGHTS + ".tmp")
+    entries: dict[str, dict] = {}
+    offset = 0
+    with open(tmp_weights, "wb") as fh:
+        for name, arr in tensors:
+            if name in entries:
+                raise ConvertError(f"duplicate tensor name {name!r}")
+            arr = np.ascontiguousarray(arr)
+            dtype = _dtype_name(arr)
+            data = arr.astype("<u4" if dtype == "uint32" else "<f4", copy=False).tobytes()
+            pad = (-offset) % ALIGN
+            if pad:
+                fh.write(b"\0" * pad)
+                offset += pad
+            fh.write(data)
+            entries[name] = {"offset": offset, "nbytes": len(data), "dtype": dtype,
+                             "shape": [int(s) for s in arr.shape],
+                             "sha256": hashlib.sha256(data).hexdigest()}
+            offset += len(data)
+    os.replace(tmp_weights, out / WEIGHTS)
+    manifest = {"format": FORMAT, "kind": KIND, "config": config, "source": source,
+                "tensors": entries, "weights_file": WEIGHTS, "total_bytes": offset}
+    tmp_manifest = out / (MANIFEST + ".tmp")
+    tmp_manifest.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp_manifest, out / MANIFEST)
+    log(f"wrote {len(entries)} tensors, {offset / 2**20:.1f} MiB to {out / WEIGHTS}")
+    return manifest
+
+
+def read_manifest(art_dir) -> dict:
+    """Load and sanity-check manifest.json (format, kind, weights file size)."""
+    root = Path(art_dir)
+    path = root / MANIFEST
+    if not path.exists():
+        raise ConvertError(f"no {MANIFEST} in {root}: the artifact is missing or its write did not finish")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConvertError(f"{path} is not valid JSON: {err}") from err
+    if manifest.get("format") != FORMAT or manifest.get("kind") != KIND:
+        raise ConvertError(f"{path}: format {manifest.get('format')!r} kind {manifest.get('kind')!r}, "
+                           f"expected {FORMAT} {KIND!r}")
+    weights = root / manifest["weights_file"]
+    if not weights.exists() or weights.stat().st_size != manifest["total_bytes"]:
+        size = weights.stat().st_size if weights.exists() else None
+        raise ConvertError(f"{weights}: size {size}, manifest says {manifest['total_bytes']} bytes")
+    return manifest
+
+
+def read_artifact_tensors(art_dir) -> tuple[dict, dict[str, np.ndarray]]:
+    """All raw artifact tensors (packed, as stored), each checked against its manifest sha256."""
+    root = Path(art_dir)
+    manifest = read_manifest(root)
+    blob = (root / manifest["weights_file"]).read_bytes()
+    out: dict[str, np.ndarray] = {}
+    for name, t in manifest["tensors"].items():
+        data = blob[t["offset"]:t["offset"] + t["nbytes"]]
+        if t["offset"] % ALIGN or len(data) != t["nbytes"]:
+            raise ConvertError(f"tensor {name!r}: bad offset/size {t['offset']}/{t['nbytes']}")
+        if hashlib.sha256(data).hexdigest() != t["sha256"]:
+            raise ConvertError(f"tensor {name!r} is corrupted: sha256 of bytes {t['offset']}..."
+                               f"{t['offset'] + t['nbytes']} of {manifest['weights_file']} does not match "
+                               "the manifest (re-run the conversion)")
+        dtype = {"uint32": "<u4", "float32": "<f4"}[t["dtype"]]
+        out[name] = np.frombuffer(data, dtype=dtype).reshape(t["shape"])
+    return manifest, out
+
+
+def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """Dequantize our packing back to dense float32 (qkv/o/gate_up/down [out, in], embed, norms).
+
+    Every tensor's sha256 is verified (even for layers not requested) so corruption anywhere is
+    reported; `layers` only limits which layers get dequantized, to keep tests fast.
+    """
+    manifest, raw = read_artifact_tensors(art_dir)
+    config = manifest["config"]
+    wanted = range(config["n_layers"]) if layers is None else list(layers)
+    dense = {"embed": dequant_q8(raw["embed.q8"], raw["embed.scale"]),
+             "final_norm": raw["final_norm"].astype(np.float32)}
+    for i in wanted:
+        p = f"layers.{i}"
+        dense[f"{p}.attn_norm"] = raw[f"{p}.attn_norm"].astype(np.float32)
+        dense[f"{p}.ffn_norm"] = raw[f"{p}.ffn_norm"].astype(np.float32)
+        for mat in ("qkv", "o", "gate_up", "down"):
+            n = f"{p}.{mat}"
+            dense[n] = dequant_q4(raw[n + ".q4"], raw[n + ".scale"], raw[n + ".min"])
+    return config, dense
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF side.
+# ----------------------------------------------------------------------------------------------
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> dict:
+    """The artifact config from GGUF metadata (llama architecture only)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConvertError(f"expected a llama GGUF, got architecture {arch!r}")
+    dim = int(_field(reader, "llama.embedding_length"))
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    vocab = _field(reader, "llama.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "dim": dim,
+        "n_layers": int(_field(reader, "llama.block_count")),
+        "n_heads": n_heads,
+        "n_kv_heads": int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        "head_dim": int(_field(reader, "llama.rope.dimension_count", dim // n_heads)),
+        "ffn_dim": int(_field(reader, "llama.feed_forward_length")),
+        "vocab_size": int(vocab),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        # float32 metadata: round to the value llama.cpp means (9.99999974738e-06 -> 1e-05)
+        "rms_eps": round(float(_field(reader, "llama.attention.layer_norm_rms_epsilon")), 12),
+        "max_context": MAX_CONTEXT,
+        "bos_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
+    }
+
+
+def _gguf_tensors(reader) -> dict:
+    return {t.name: t for t in reader.tensors}
+
+
+def _require(tensors: dict, name: str, qtype_name: str, rows: int, cols: int):
+    """Fetch a GGUF tensor and check its type and [rows=out, cols=in] orientation.
+
+    GGUF lists shape ne0 first (the input dim), so `shape == [cols, rows]`.
+    """
+    t = tensors.get(name)
+    if t is None:
+        raise ConvertError(f"GGUF lacks tensor {name!r}")
+    if t.tensor_type.name != qtype_name:
+        raise ConvertError(f"{name}: type {t.tensor_type.name}, expected {qtype_name}")
+    shape = [int(s) for s in t.shape]
+    expect = [cols] if rows == 1 else [cols, rows]
+    if shape != expect:
+        raise ConvertError(f"{name}: GGUF shape {shape}, expected {expect} (ne0 = inputs first)")
+    return t
+
+
+def _gguf_layer_names(i: int) -> dict[str, list[str]]:
+    """Which GGUF tensors (in row order) fuse into each of our matrices."""
+    b = f"blk.{i}"
+    return {"qkv": [f"{b}.attn_q.weight", f"{b}.attn_k.weight", f"{b}.attn_v.weight"],
+            "o": [f"{b}.attn_output.weight"],
+            "gate_up": [f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"],
+            "down": [f"{b}.ffn_down.weight"]}
+
+
+def _matrix_shapes(config: dict) -> dict[str, list[tuple[int, int]]]:
+    """(rows, cols) per fused part, matching `_gguf_layer_names`."""
+    d, hd, f = config["dim"], config["head_dim"], config["ffn_dim"]
+    q, kv = config["n_heads"] * hd, config["n_kv_heads"] * hd
+    return {"qkv": [(q, d), (kv, d), (kv, d)], "o": [(d, q)], "gate_up": [(f, d), (f, d)], "down": [(d, f)]}
+
+
+def _iter_gguf_artifact(reader, config: dict, log) -> Iterator[tuple[str, np.ndarray]]:
+    """Artifact tensors in file order, produced layer by layer so memory stays small."""
+    tensors = _gguf_tensors(reader)
+    d, vocab = config["dim"], config["vocab_size"]
+    emb = _require(tensors, "token_embd.weight", "Q8_0", vocab, d)
+    codes, scale = split_q8_0(emb.data, d)
+    yield "embed.q8", pack_q8(codes)
+    yield "embed.scale", scale
+    if "output.weight" in tensors:
+        raise ConvertError("GGUF has a separate output.weight; this format expects tied embeddings")
+    shapes = _matrix_shapes(config)
+    for i in range(config["n_layers"]):
+        p = f"layers.{i}"
+        yield f"{p}.attn_norm", np.asarray(_require(tensors, f"blk.{i}.attn_norm.weight", "F32", 1, d).data,
+                                           dtype=np.float32)
+        yield f"{p}.ffn_norm", np.asarray(_require(tensors, f"blk.{i}.ffn_norm.weight", "F32", 1, d).data,
+                                          dtype=np.float32)
+        for mat, names in _gguf_layer_names(i).items():
+            parts = [split_q4_1(_require(tensors, n, "Q4_1", r, c).data, c)
+                     for n, (r, c) in zip(names, shapes[mat])]
+            yield from q4_tensors(f"{p}.{mat}", *(np.concatenate(x, axis=0) for x in zip(*parts)))
+        if i % 10 == 9 or i == config["n_layers"] - 1:
+            log(f"  layer {i + 1}/{config['n_layers']} packed")
+    yield "final_norm", np.asarray(_require(tensors, "output_norm.weight", "F32", 1, d).data, dtype=np.float32)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf_path, out_dir, log: Callable[[str], None] = print) -> dict:
+    """Convert a llama Q4_1 GGUF into the artifact folder; returns the manifest."""
+    from gguf import GGUFReader
+
+    t0 = time.perf_counter()
+    path = Path(gguf_path)
+    reader = GGUFReader(str(path))
+    config = gguf_config(reader)
+    log(f"converting {path.name}: {config['n_layers']} layers, dim {config['dim']}, vocab {config['vocab_size']}")
+    source = {"file": path.name, "sha256": _sha256_file(path)}
+    manifest = write_artifact(out_dir, config, source, _iter_gguf_artifact(reader, config, log), log)
+    log(f"artifact {manifest['total_bytes'] / 2**20:.1f} MiB ({manifest['total_bytes']} bytes) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    return manifest
+
+
+def load_gguf_weights(gguf_path, layers: Iterable[int] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """The same dense dict as `load_artifact_weights`, straight from the GGUF via gguf's dequantize.
+
+    This is the independent side of the round-trip check: it never touches our packing code.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(gguf_path))
+    config = gguf_config(reader)
+    tensors = _gguf_tensors(reader)
+
+    def dense(name):
+        t = tensors[name]
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    wanted = range(config["n_layers"]) if layers is None else list(layers)
+    out = {"embed": dense("token_embd.weight"), "final_norm": dense("output_norm.weight")}
+    for i in wanted:
+        p = f"layers.{i}"
+        out[f"{p}.attn_norm"] = dense(f"blk.{i}.attn_norm.weight")
+        out[f"{p}.ffn_norm"] = dense(f"blk.{i}.ffn_norm.weight")
+        for mat, names in _gguf_layer_names(i).items():
+            out[f"{p}.{mat}"] = np.concatenate([dense(n) for n in names], axis=0)
+    return config, out
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic artifacts for tests and benchmarks.
+# ----------------------------------------------------------------------------------------------
+
+TINY_CONFIG = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "ffn_dim": 512,
+               "vocab_size": 512, "rope_theta": 10000.0, "rms_eps": 1e-5, "max_context": MAX_CONTEXT,
+               "bos_id": 1, "eos_id": 2}
+
+SMOLLM2_CONFIG = {"dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "ffn_dim": 1536,
+                  "vocab_size": 49152, "rope_theta": 100000.0, "rms_eps": 1e-5, "max_context": MAX_CONTEXT,
+                  "bos_id": 1, "eos_id": 2}
+
+
+def _random_q4(rng: np.random.Generator, rows: int, cols: int):
+    """Random codes with scales ~0.02 and mins ~ -8*scale (weights centred near zero, like real Q4_1).
+
+    Scales/mins are rounded through float16 because real GGUF blocks store them as f16.
+    """
+    codes = rng.integers(0, 16, size=(rows, cols), dtype=np.uint8)
+    d = (0.02 * rng.uniform(0.5, 1.5, size=(rows, cols // QBLOCK))).astype(np.float16).astype(np.float32)
+    m = (-8.0 * d * rng.uniform(0.9, 1.1, size=d.shape)).astype(np.float16).astype(np.float32)
+    return codes, d, m
+
+
+def _iter_random_artifact(config: dict, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    d, vocab = config["dim"], config["vocab_size"]
+    codes = rng.integers(-127, 128, size=(vocab, d), dtype=np.int8)
+    scale = (0.01 * rng.uniform(0.5, 1.5, size=(vocab, d // QBLOCK))).astype(np.float16).astype(np.float32)
+    yield "embed.q8", pack_q8(codes)
+    yield "embed.scale", scale
+    shapes = _matrix_shapes(config)
+    for i in range(config["n_layers"]):
+        p = f"layers.{i}"
+        yield f"{p}.attn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        yield f"{p}.ffn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        for mat, parts in shapes.items():
+            rows, cols = sum(r for r, _ in parts), parts[0][1]
+            yield from q4_tensors(f"{p}.{mat}", *_random_q4(rng, rows, cols))
+    yield "final_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+
+def _check_config(config: dict) -> dict:
+    full = {**TINY_CONFIG, **config}
+    d, hd = full["dim"], full["head_dim"]
+    if d % QBLOCK or full["ffn_dim"] % QBLOCK or (full["n_heads"] * hd) % QBLOCK:
+        raise ConvertError("dim, ffn_dim and n_heads*head_dim must be multiples of 32 (quant block)")
+    if full["n_heads"] % full["n_kv_heads"]:
+        raise ConvertError("n_heads must be a multiple of n_kv_heads (GQA)")
+    return full
+
+
+def write_random_artifact(config: dict, out_dir, seed: int = 0) -> dict:
+    """Write a synthetic artifact of the given shape (same format as `convert_gguf`).
+
+    Lets runtime/kernel tests run on a tiny model without the GGUF, and benchmarks run on a
+    SmolLM2-shaped model (pass SMOLLM2_CONFIG). Missing config keys default to TINY_CONFIG.
+    """
+    full = _check_config(config)
+    source = {"file": None, "sha256": None, "random_seed": seed}
+    return write_artifact(out_dir, full, source, _iter_random_artifact(full, seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m model_glue.convert MODEL.gguf OUT_DIR", file=sys.stderr)
+        return 2
+    convert_gguf(args[0], args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

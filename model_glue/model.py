@@ -1,0 +1,346 @@
+"""A Llama-shaped model on WebGPU: weights, a paged KV cache, prefill and greedy decode.
+
+The forward pass is a fixed sequence of TVM-built kernels (see `_encode_forward`), read top to
+bottom like llama2.c's run.c. No numpy and no TVM: the same code runs in Pyodide and natively.
+Every decode step asks `pick_decode_nest` which attention nest to run and records its timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from model_glue.attention import context_length, pick_decode_nest
+
+PAGE_SIZE = 16
+MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
+WEIGHTS_FORMAT = 1
+
+
+class ModelError(RuntimeError):
+    """A problem with the model artifact or a request, in words a user can act on."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_eps: float
+    max_context: int = 8192
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @property
+    def qkv_dim(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def matches(self, kernel_config: dict) -> bool:
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
+        return all(kernel_config.get(k) == getattr(self, k) for k in keys) and \
+            abs(kernel_config.get("rope_theta", 0) - self.rope_theta) < 1e-6 * self.rope_theta
+
+
+@dataclass
+class StepStats:
+    """One forward pass: what the overlay shows."""
+
+    kind: str  # "prefill" or "decode"
+    tokens: int  # tokens processed in this pass
+    context: int  # tokens attended by the last query (the step's longest context)
+    nest: str
+    attention_ms: float | None  # GPU time of all attention dispatches, summed over layers
+    step_ms: float  # wall time from submit to the token id on the host
+    timing_note: str = ""
+
+
+class PagedKVCache:
+    """KV pages for one sequence: per layer one GPU buffer [num_pages, 2, H_kv, 16, D].
+
+    Physical pages are handed out from the top of the pool down, so the page table is not the
+    identity (the kernels only ever see page ids through it).
+    """
+
+    def __init__(self, device, config: LlamaConfig, dtype_bytes: int):
+        self.num_pages = (config.max_context + PAGE_SIZE - 1) // PAGE_SIZE
+        page_bytes = 2 * config.n_kv_heads * PAGE_SIZE * config.head_dim * dtype_bytes
+        self.layers = [device.storage_buffer(self.num_pages * page_bytes) for _ in range(config.n_layers)]
+        self.pages: list[int] = []
+        self.length = 0
+
+    def reset(self) -> None:
+        self.pages.clear()
+        self.length = 0
+
+    def reserve(self, new_tokens: int) -> list[int]:
+        """Physical slots (page * 16 + offset) for the next `new_tokens` positions."""
+        slots = []
+        for pos in range(self.length, self.length + new_tokens):
+            if pos // PAGE_SIZE >= len(self.pages):
+                if len(self.pages) >= self.num_pages:
+                    raise ModelError(f"the KV cache is full ({self.num_pages * PAGE_SIZE} tokens)")
+                self.pages.append(self.num_pages - 1 - len(self.pages))
+            slots.append(self.pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+        self.length += new_tokens
+        return slots
+
+    def page_table(self, context_lens: list[int]) -> tuple[array, array, array]:
+        """indptr, page ids and last-page lengths for queries attending to these prefixes."""
+        indptr, values, last = array("i", [0]), array("i"), array("i")
+        for n in context_lens:
+            num_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
+            values.extend(self.pages[:num_pages])
+            indptr.append(len(values))
+            last.append(n - (num_pages - 1) * PAGE_SIZE)
+        return indptr, values, last
+
+
+class LlamaModel:
+    """Weights on the GPU plus the kernels and scratch buffers of one model."""
+
+    def __init__(self, device, library, config: LlamaConfig, weights: dict, dtype: str, tag: str):
+        self.device = device
+        self.library = library
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.tag = tag
+        self.esize = 2 if dtype == "float16" else 4
+        self.kv = PagedKVCache(device, config, self.esize)
+        self.kernels: dict = {}
+        self.attention: dict = {}
+        self._scratch_tokens = 0
+        self.buffers: dict = {}
+        self.stats: list[StepStats] = []
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    async def load(cls, device, library, read_text, read_bytes, *, max_context: int | None = None,
+                   dtype: str | None = None, progress=lambda message: None) -> "LlamaModel":
+        """Load a converted artifact (manifest.json + weights.bin) through async readers."""
+        try:
+            manifest = json.loads(await read_text("manifest.json"))
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot read the model manifest: {err}") from err
+        if manifest.get("format") != WEIGHTS_FORMAT or manifest.get("kind") != "llama-q4":
+            raise ModelError(f"unsupported model artifact {manifest.get('kind')!r} v{manifest.get('format')}")
+        cfg = dict(manifest["config"])
+        if max_context:
+            cfg["max_context"] = min(max_context, cfg.get("max_context", max_context))
+        config = LlamaConfig.from_dict(cfg)
+        dtype = dtype or ("float16" if device.has_f16 else "float32")
+        if dtype == "float16" and not device.has_f16:
+            raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
+        tag = _find_kernel_tag(library, config, dtype)
+        progress(f"downloading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
+        blob = await read_bytes(manifest["weights_file"])
+        if len(blob) != manifest["total_bytes"]:
+            raise ModelError(f"weights file has {len(blob)} bytes, the manifest says {manifest['total_bytes']}"
+                             " (incomplete download or corrupted artifact)")
+        progress("checking and uploading weights")
+        view = memoryview(blob)
+        weights = {}
+        for name, t in manifest["tensors"].items():
+            data = view[t["offset"]:t["offset"] + t["nbytes"]]
+            if hashlib.sha256(data).hexdigest() != t["sha256"]:
+                raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
+            weights[name] = device.storage_buffer(t["nbytes"], data)
+        model = cls(device, library, config, weights, dtype, tag)
+        progress("compiling kernels")
+        await model._compile_kernels()
+        return model
+
+    async def _compile_kernels(self) -> None:
+        for role in ("embed", "rms_norm", "rope_append", "swiglu", "lm_head", "argmax",
+                     "qkv_decode", "o_decode", "gate_up_decode", "down_decode",
+                     "qkv_prefill", "o_prefill", "gate_up_prefill", "down_prefill"):
+            (name,) = self.library.names(kind="llama", model=self.tag, role=role, dtype=self.dtype)
+            self.kernels[role] = await self.library.kernel(name)
+        for nest in ("tiled", "sharded"):
+            names = self.library.names(kind="decode_attention", nest=nest, head_dim=self.config.head_dim,
+                                       num_kv_heads=self.config.n_kv_heads, num_qo_heads=self.config.n_heads,
+                                       dtype=self.dtype, sliding_window=False)
+            if not names:
+                raise ModelError(f"the kernel artifact has no {nest} attention for this model's shape")
+            self.attention[nest] = await self.library.kernel(names[0])
+
+    # -- scratch buffers ----------------------------------------------------------------------
+    def _ensure_scratch(self, tokens: int) -> None:
+        """Activation buffers for up to `tokens` tokens per pass (grown on demand, never shrunk)."""
+        if tokens <= self._scratch_tokens:
+            return
+        c, e, dev = self.config, self.esize, self.device
+        n = max(tokens, 1)
+        max_pages = self.kv.num_pages
+        sizes = {
+            "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
+            "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
+            "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
+            "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
+            "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
+            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n, "zeros": 4 * n,
+        }
+        for name, size in sizes.items():
+            self.buffers[name] = dev.storage_buffer(size)
+        for name, size in {"last": e * c.dim, "last_normed": e * c.dim, "logits": 4 * c.vocab_size,
+                           "next_id": 4}.items():
+            self.buffers.setdefault(name, dev.storage_buffer(size))
+        self._scratch_tokens = n
+
+    # -- one forward pass -----------------------------------------------------------------------
+    async def forward(self, token_ids: list[int], attention: str = "auto") -> int:
+        """Run `token_ids` (appended to the cache) and return the greedy next token id."""
+        c = self.config
+        n = len(token_ids)
+        if n == 0:
+            raise ModelError("nothing to run: the prompt is empty")
+        if self.kv.length + n > c.max_context:
+            raise ModelError(f"context would reach {self.kv.length + n} tokens; this model holds {c.max_context}")
+        self._ensure_scratch(n)
+        start = self.kv.length
+        slots = self.kv.reserve(n)
+        contexts = [start + i + 1 for i in range(n)]  # causal: token i sees the prefix through itself
+        nest = pick_decode_nest([contexts[-1]], attention)
+        indptr, page_ids, last_len = self.kv.page_table(contexts)
+        dev, buf = self.device, self.buffers
+        dev.write(buf["ids"], array("i", token_ids).tobytes())
+        dev.write(buf["positions"], array("i", range(start, start + n)).tobytes())
+        dev.write(buf["slots"], array("i", slots).tobytes())
+        dev.write(buf["indptr"], indptr.tobytes())
+        dev.write(buf["page_ids"], page_ids.tobytes())
+        dev.write(buf["last_len"], last_len.tobytes())
+        dev.write(buf["zeros"], bytes(4 * n))
+
+        stamps = dev.timestamps(2 * c.n_layers) if dev.has_timestamps else None
+        batch = dev.batch()
+        self._encode_forward(batch, n, nest, len(page_ids), stamps)
+        readback = dev.storage_buffer(4)
+        batch.copy(buf["next_id"], 0, readback, 0, 4)
+        if stamps is not None:
+            batch.resolve(stamps)
+        started = time.perf_counter()
+        batch.submit()
+        (next_id,) = struct.unpack("<i", await dev.read(readback, 4))
+        step_ms = (time.perf_counter() - started) * 1e3
+        attention_ms, note = None, "no timestamp-query on this adapter"
+        if stamps is not None:
+            ticks = await stamps.read_ns()
+            spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(c.n_layers)]
+            attention_ms = sum(spans) / 1e6
+            note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
+        self.stats.append(StepStats("prefill" if n > 1 else "decode", n, contexts[-1], nest,
+                                    attention_ms, step_ms, note))
+        return next_id
+
+    def _encode_forward(self, batch, n: int, nest: str, nnz_pages: int, stamps) -> None:
+        """The whole forward pass as kernel dispatches (bound per pass: shapes change with n)."""
+        c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
+        phase = "decode" if n == 1 else "prefill"
+        tokens = {"n": n}
+
+        def run(kernel, buffers, values=tokens, timestamps=None):
+            kernel.bind(buffers, values).dispatch(batch, timestamps)
+
+        def matmul(role, name, x, y, resid=None):
+            buffers = {"x": x, "w": w[f"{name}.q4"], "scale": w[f"{name}.scale"], "wmin": w[f"{name}.min"], "y": y}
+            if resid is not None:
+                buffers["resid"] = resid
+            run(k[f"{role}_{phase}"], buffers)
+
+        attn_values = {"B": n, "nnz_pages": nnz_pages, "max_num_pages": self.kv.num_pages, "rotary_mode": 0,
+                       "rope_scale": 1.0, "rope_theta": c.rope_theta, "sm_scale": c.head_dim ** -0.5}
+        x, x_mid = buf["x_a"], buf["x_b"]
+        run(k["embed"], {"ids": buf["ids"], "q8": w["embed.q8"], "scale": w["embed.scale"], "out": x})
+        for layer in range(c.n_layers):
+            p = f"layers.{layer}"
+            pages = self.kv.layers[layer]
+            # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
+            run(k["rms_norm"], {"x": x, "weight": w[f"{p}.attn_norm"], "out": buf["normed"]})
+            matmul("qkv", f"{p}.qkv", buf["normed"], buf["qkv"])
+            run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
+                                   "pages": pages, "q": buf["q"]}, {"n": n, "num_pages": self.kv.num_pages})
+            run(self.attention[nest],
+                {"Q": buf["q"], "pages": pages, "page_table_indptr": buf["indptr"],
+                 "page_table_values": buf["page_ids"], "length_info": buf["last_len"],
+                 "k_rope_pos_offset": buf["zeros"], "q_rope_position": buf["zeros"],
+                 "output": buf["attn"], "lse": buf["lse"]},
+                attn_values, None if stamps is None else (stamps, 2 * layer, 2 * layer + 1))
+            matmul("o", f"{p}.o", buf["attn"], x_mid, resid=x)
+            # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
+            run(k["rms_norm"], {"x": x_mid, "weight": w[f"{p}.ffn_norm"], "out": buf["normed"]})
+            matmul("gate_up", f"{p}.gate_up", buf["normed"], buf["gate_up"])
+            run(k["swiglu"], {"gate_up": buf["gate_up"], "h": buf["ffn"]})
+            matmul("down", f"{p}.down", buf["ffn"], x, resid=x_mid)
+        # head: only the last token's logits are needed
+        batch.copy(x, (n - 1) * c.dim * self.esize, buf["last"], 0, c.dim * self.esize)
+        run(k["rms_norm"], {"x": buf["last"], "weight": w["final_norm"], "out": buf["last_normed"]}, {"n": 1})
+        run(k["lm_head"], {"x": buf["last_normed"], "w": w["embed.q8"], "scale": w["embed.scale"],
+                           "y": buf["logits"]}, {"n": 1})
+        run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.stats.clear()
+
+    async def read_logits(self) -> bytes:
+        """The last pass's logits as raw f32 bytes (tests compare them with a reference)."""
+        return await self.device.read(self.buffers["logits"], 4 * self.config.vocab_size)
+
+
+def _find_kernel_tag(library, config: LlamaConfig, dtype: str) -> str:
+    for name in library.names(kind="llama", role="embed", dtype=dtype):
+        meta = library.specs[name]["meta"]
+        if config.matches(meta["config"]):
+            return meta["model"]
+    raise ModelError("the kernel artifact has no kernels for this model's shape; rebuild with `python -m app build`")
+
+
+@dataclass
+class Generation:
+    """The result of `generate`: ids, why it stopped, and the per-pass statistics."""
+
+    token_ids: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    stats: list[StepStats] = field(default_factory=list)
+
+
+async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=(),
+                   attention: str = "auto", on_token=None, should_stop=lambda: False) -> Generation:
+    """Greedy generation: prefill the prompt (in chunks), then one decode step per token."""
+    result = Generation()
+    model.reset()
+    if not prompt_ids:
+        raise ModelError("the prompt is empty")
+    if len(prompt_ids) + max_new_tokens > model.config.max_context:
+        raise ModelError(f"prompt ({len(prompt_ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
+                         f"context of {model.config.max_context} tokens; shorten the conversation")
+    next_id = None
+    for chunk_start in range(0, len(prompt_ids), MAX_PREFILL_CHUNK):
+        next_id = await model.forward(prompt_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention)
+    while True:
+        result.token_ids.append(next_id)
+        if on_token is not None:
+            await on_token(next_id)
+        if next_id in stop_ids:
+            result.stop_reason = "stop token"
+            break
+        if len(result.token_ids) >= max_new_tokens:
+            result.stop_reason = "max tokens"
+            break
+        if should_stop():
+            result.stop_reason = "stopped by user"
+            break
+        next_id = await model.forward([next_id], attention)
+    result.stats = list(model.stats)
+    return result

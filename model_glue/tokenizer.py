@@ -1,0 +1,367 @@
+"""Run-time byte-level BPE tokenizer for SmolLM2, in pure standard-library Python.
+
+It runs in Pyodide as well as natively, so it cannot use `tokenizers`, numpy or the `regex` module.
+It reads the `tokenizer.json` that `model_glue.tokenizer_export` writes from the model GGUF and must
+produce exactly the ids HF `tokenizers` produces for it (the tests check this):
+
+1. special tokens (`<|im_start|>` ...) are cut out of the text first and map to their ids;
+2. each remaining span is split so that every numeric character stands alone (Digits pre-tokenizer);
+3. each piece is split by GPT-2's pattern
+   `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`,
+   scanned by hand because `re` has no `\\p{..}` classes;
+4. each pre-token's UTF-8 bytes are mapped to printable characters and merged by BPE rank.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import unicodedata
+
+# Unicode White_Space, which is what `\s` matches in the Oniguruma regex HF tokenizers uses.
+# (str.isspace() differs: it also accepts U+001C..U+001F.)
+_WHITESPACE = frozenset(
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009"
+    "\u200a\u2028\u2029\u202f\u205f\u3000")
+
+# Character classes of the split pattern.
+_SPACE, _LETTER, _NUMBER, _OTHER = 0, 1, 2, 3
+
+_CONTRACTIONS = ("s", "t", "re", "ve", "m", "ll", "d")  # after an apostrophe; case-sensitive like GPT-2
+
+
+def _classify(ch: str) -> int:
+    if ch in _WHITESPACE:
+        return _SPACE
+    cat = unicodedata.category(ch)[0]
+    if cat == "L":
+        return _LETTER
+    if cat == "N":
+        return _NUMBER
+    return _OTHER
+
+
+class _ClassTable(dict):
+    """Character -> class, filled on first sight so each character's category is looked up once."""
+
+    def __missing__(self, ch):
+        cls = self[ch] = _classify(ch)
+        return cls
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (byte-level BPE vocabularies use it)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class BPETokenizer:
+    """Byte-level BPE with SmolLM2's pre-tokenizer; `encode` matches HF `tokenizers` id for id."""
+
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
+                 *, individual_digits: bool = True, add_prefix_space: bool = False,
+                 eos_id: int | None = None, im_end_id: int | None = None, bos_id: int | None = None):
+        self.vocab = vocab
+        self.id_to_token_list: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+        for tok, i in vocab.items():
+            self.id_to_token_list[i] = tok
+        self.ranks = {pair: rank for rank, pair in enumerate(merges)}
+        self.special_tokens = dict(special_tokens)
+        self.special_ids = {i: tok for tok, i in self.special_tokens.items()}
+        for tok, i in self.special_tokens.items():
+            if i >= len(self.id_to_token_list):
+                self.id_to_token_list.extend([None] * (i + 1 - len(self.id_to_token_list)))
+            self.id_to_token_list[i] = tok
+        self.individual_digits = individual_digits
+        self.add_prefix_space = add_prefix_space
+        # Longest first so that the alternation picks the longest special token at a position.
+        if self.special_tokens:
+            alternatives = sorted(self.special_tokens, key=len, reverse=True)
+            self._special_re = re.compile("|".join(re.escape(t) for t in alternatives))
+        else:
+            self._special_re = None
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        # Per-byte printable strings, indexed by byte value: bytes -> BPE symbols without a dict lookup.
+        self._byte_chars = [self.byte_encoder[b] for b in range(256)]
+        self._classes = _ClassTable()
+        self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache_limit = 100_000
+        self.bos_id = bos_id
+        self._eos_id = eos_id if eos_id is not None else self.special_tokens.get("<|endoftext|>")
+        self._im_end_id = im_end_id if im_end_id is not None else self.special_tokens.get("<|im_end|>")
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_json(cls, text: str, config: dict | str | None = None) -> "BPETokenizer":
+        """Build from the text of a HF tokenizer.json (and optionally tokenizer_config.json's ids)."""
+        data = json.loads(text)
+        model = data["model"]
+        if model.get("type") != "BPE":
+            raise ValueError(f"tokenizer.json model type {model.get('type')!r}; only BPE is supported")
+        if model.get("ignore_merges") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            raise ValueError("tokenizer.json uses BPE options this tokenizer does not implement")
+        merges = []
+        for m in model["merges"]:
+            if isinstance(m, str):  # older tokenizer.json files store "left right"
+                left, _, right = m.partition(" ")
+                merges.append((left, right))
+            else:
+                merges.append((m[0], m[1]))
+        special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+
+        individual_digits, add_prefix_space, byte_level = False, False, False
+        pre = data.get("pre_tokenizer") or {}
+        for p in pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]:
+            if p.get("type") == "Digits":
+                if not p.get("individual_digits"):
+                    raise ValueError("only Digits(individual_digits=True) is supported")
+                individual_digits = True
+            elif p.get("type") == "ByteLevel":
+                if not p.get("use_regex", True):
+                    raise ValueError("only ByteLevel(use_regex=True) is supported")
+                byte_level = True
+                add_prefix_space = bool(p.get("add_prefix_space"))
+            elif p:
+                raise ValueError(f"unsupported pre-tokenizer {p.get('type')!r}")
+        if not byte_level:
+            raise ValueError("tokenizer.json has no ByteLevel pre-tokenizer")
+        if data.get("normalizer"):
+            raise ValueError("tokenizer.json normalizers are not supported")
+
+        if isinstance(config, str):
+            config = json.loads(config)
+        config = config or {}
+        return cls(model["vocab"], merges, special, individual_digits=individual_digits,
+                   add_prefix_space=add_prefix_space, eos_id=config.get("eos_id"),
+                   im_end_id=config.get("im_end_id"), bos_id=config.get("bos_id"))
+
+    # ------------------------------------------------------------------ ids
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def im_end_id(self) -> int | None:
+        return self._im_end_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end an assistant turn: <|im_end|> for chat, the EOS token otherwise."""
+        return frozenset(i for i in (self._eos_id, self._im_end_id) if i is not None)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.id_to_token_list)
+
+    def token_to_id(self, token: str) -> int | None:
+        special = self.special_tokens.get(token)
+        return special if special is not None else self.vocab.get(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if 0 <= token_id < len(self.id_to_token_list):
+            return self.id_to_token_list[token_id]
+        return None
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their single ids."""
+        ids: list[int] = []
+        if self._special_re is None:
+            self._encode_ordinary(text, ids)
+            return ids
+        start = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > start:
+                self._encode_ordinary(text[start:m.start()], ids)
+            ids.append(self.special_tokens[m.group()])
+            start = m.end()
+        if start < len(text):
+            self._encode_ordinary(text[start:], ids)
+        return ids
+
+    def _encode_ordinary(self, text: str, ids: list[int]) -> None:
+        if self.add_prefix_space and not text.startswith(" "):
+            text = " " + text
+        cache = self._cache
+        for word in self._split(text):
+            toks = cache.get(word)
+            if toks is None:
+                toks = self._bpe(word)
+                if len(cache) >= self._cache_limit:
+                    cache.clear()
+                cache[word] = toks
+            ids.extend(toks)
+
+    def _split(self, text: str) -> list[str]:
+        """Pre-tokens of one special-free span: digits isolated, then the GPT-2 pattern per piece."""
+        classes = self._classes
+        cls = [classes[ch] for ch in text]
+        words: list[str] = []
+        if not self.individual_digits:
+            self._split_pattern(text, cls, 0, len(text), words)
+            return words
+        # Digits(individual_digits=True) isolates every numeric character (Rust char::is_numeric,
+        # i.e. categories Nd/Nl/No = \p{N}); the byte-level pattern then runs on each piece alone,
+        # so its lookahead and ' ?' prefixes never see across a digit.
+        start = 0
+        for i, c in enumerate(cls):
+            if c == _NUMBER:
+                if i > start:
+                    self._split_pattern(text, cls, start, i, words)
+                words.append(text[i])
+                start = i + 1
+        if start < len(text):
+            self._split_pattern(text, cls, start, len(text), words)
+        return words
+
+    @staticmethod
+    def _split_pattern(text: str, cls: list[int], start: int, end: int, words: list[str]) -> None:
+        """Append the matches of the GPT-2 pattern over text[start:end] (a leftmost-first scan)."""
+        i = start
+        while i < end:
+            c = cls[i]
+            ch = text[i]
+            # 's|'t|'re|'ve|'m|'ll|'d
+            if ch == "'" and i + 1 < end:
+                matched = False
+                for suffix in _CONTRACTIONS:
+                    j = i + 1 + len(suffix)
+                    if j <= end and text[i + 1:j] == suffix:
+                        words.append(text[i:j])
+                        i = j
+                        matched = True
+                        break
+                if matched:
+                    continue
+            # ' ?\p{L}+' | ' ?\p{N}+' | ' ?[^\s\p{L}\p{N}]+': a run of one class, maybe after one ' '.
+            j = i
+            if ch == " " and i + 1 < end and cls[i + 1] != _SPACE:
+                j = i + 1
+            run = cls[j]
+            if run != _SPACE:
+                j += 1
+                while j < end and cls[j] == run:
+                    j += 1
+                words.append(text[i:j])
+                i = j
+                continue
+            # '\s+(?!\S)' then '\s+': the whitespace run, minus its last character when a
+            # non-space follows (that character then leads the next pre-token).
+            j = i + 1
+            while j < end and cls[j] == _SPACE:
+                j += 1
+            if j < end and j - i > 1:
+                j -= 1
+            words.append(text[i:j])
+            i = j
+
+    def _bpe(self, word: str) -> tuple[int, ...]:
+        """Ids of one pre-token: its bytes as printable symbols, merged lowest rank first."""
+        byte_chars = self._byte_chars
+        vocab = self.vocab
+        # SmolLM2's vocabulary lacks 21 byte symbols (e.g. 0x04, 0xC0, 0xF5..0xFF). With no unk
+        # token, HF BPE drops such a symbol before merging, so its neighbours may merge; do the same.
+        symbols = [s for s in (byte_chars[b] for b in word.encode("utf-8")) if s in vocab]
+        ranks = self.ranks
+        while len(symbols) > 1:
+            best = None
+            best_rank = None
+            for k in range(len(symbols) - 1):
+                r = ranks.get((symbols[k], symbols[k + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best_rank = r
+                    best = (symbols[k], symbols[k + 1])
+            if best is None:
+                break
+            left, right = best
+            merged = left + right
+            out = []
+            k = 0
+            n = len(symbols)
+            while k < n:
+                if k < n - 1 and symbols[k] == left and symbols[k + 1] == right:
+                    out.append(merged)
+                    k += 2
+                else:
+                    out.append(symbols[k])
+                    k += 1
+            symbols = out
+        return tuple(vocab[s] for s in symbols)
+
+    # ------------------------------------------------------------------ decoding
+
+    def decode_bytes(self, ids, skip_special_tokens: bool = False) -> bytes:
+        """The raw bytes of `ids` (maybe ending inside a UTF-8 character, e.g. mid-stream)."""
+        out = bytearray()
+        byte_decoder = self.byte_decoder
+        specials = self.special_ids
+        table = self.id_to_token_list
+        for i in ids:
+            special = specials.get(i)
+            if special is not None:
+                if not skip_special_tokens:
+                    out += special.encode("utf-8")
+                continue
+            tok = table[i] if 0 <= i < len(table) else None
+            if tok is None:
+                raise ValueError(f"token id {i} is out of the vocabulary")
+            for ch in tok:
+                out.append(byte_decoder[ch])
+        return bytes(out)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; invalid UTF-8 (a character cut by a token boundary) becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+
+class StreamDecoder:
+    """Incremental decode for a streaming UI: `push(id)` returns only the text that is complete.
+
+    A multi-byte character split over two tokens is held back until its last byte arrives, so
+    printing each returned chunk never shows a spurious U+FFFD.
+    """
+
+    def __init__(self, tokenizer: BPETokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(self.tokenizer.decode_bytes([token_id], self.skip_special_tokens))
+
+    def flush(self) -> str:
+        """Whatever is still pending (an incomplete character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)
+
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def format_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt SmolLM2-Instruct's chat template (in the GGUF) renders for `messages`.
+
+    ChatML; when the first message is not a system one the template inserts its default system
+    prompt. Rendered by hand because the run time has no Jinja.
+    """
+    parts = []
+    for index, message in enumerate(messages):
+        if index == 0 and messages[0]["role"] != "system":
+            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)

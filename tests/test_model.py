@@ -1,0 +1,167 @@
+"""The model on WebGPU (wgpu/lavapipe): logits against the numpy reference, golden text, the
+nest switch at 256 tokens, bad input. A tiny random-weight model (same code paths) keeps most
+tests fast; the real SmolLM2 runs the golden and reference checks.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from app.chat import ChatSession
+from model_glue.artifact import folder_readers
+from model_glue.convert import TINY_CONFIG, load_artifact_weights, write_random_artifact
+from model_glue.model import LlamaModel, ModelError, generate
+from model_reference import ReferenceLlama
+
+ROOT_ARTIFACT = __import__("conftest").STATIC / "artifacts" / "smollm2"
+GOLDEN_PROMPT = "What is the capital of France?"
+GOLDEN_ANSWER = "The capital of France is Paris."
+# Logit tolerances (relative L2 against the f64/f32 numpy reference over the whole vocab):
+# f32 differs from the reference only in summation order (~1e-6 per dot, a few layers deep);
+# f16 rounds every activation and KV entry to 11 bits (~5e-4 each), compounded over the layers.
+LOGIT_TOLERANCE = {"float32": 1e-3, "float16": 3e-2}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_llama")
+    write_random_artifact(TINY_CONFIG, out, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_dir):
+    config, weights = load_artifact_weights(tiny_dir)
+    return ReferenceLlama(config, weights)
+
+
+def load(loop, gpu, library, folder, dtype, max_context=None):
+    read_text, read_bytes = folder_readers(folder)
+    return loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype=dtype,
+                                                   max_context=max_context))
+
+
+def logits_of(loop, model):
+    return np.frombuffer(loop.run_until_complete(model.read_logits()), np.float32).astype(np.float64)
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_reference, dtype):
+    if dtype == "float16" and not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    model = load(loop, gpu, library, tiny_dir, dtype)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, TINY_CONFIG["vocab_size"], 40)]
+    tiny_reference.reset()
+    token = loop.run_until_complete(model.forward(prompt))
+    want = tiny_reference.forward(prompt, 0)[-1]
+    for step in range(6):  # after the prefill, then each decode step
+        got = logits_of(loop, model)
+        assert rel_l2(got, want) < LOGIT_TOLERANCE[dtype], f"step {step}: {rel_l2(got, want):.2e}"
+        assert token == int(np.argmax(got))
+        assert int(np.argmax(want)) == token or np.sort(want)[-1] - np.sort(want)[-2] < 1e-2
+        pos = model.kv.length
+        token_in = token
+        token = loop.run_until_complete(model.forward([token_in]))
+        want = tiny_reference.forward([token_in], pos)[-1]
+
+
+def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_dir):
+    """A context that crosses 256 tokens switches nest at the right step; auto == tiled-forced."""
+    model = load(loop, gpu, library, tiny_dir, "float32")
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, TINY_CONFIG["vocab_size"], 240)]
+    runs = {}
+    for attention in ("auto", "tiled"):
+        runs[attention] = loop.run_until_complete(generate(model, prompt, max_new_tokens=100, attention=attention))
+    auto = runs["auto"]
+    decode = [s for s in auto.stats if s.kind == "decode"]
+    assert {s.nest for s in decode if s.context <= 256} == {"tiled"}
+    assert {s.nest for s in decode if s.context > 256} == {"sharded"}
+    switch = next(i for i, s in enumerate(decode) if s.nest == "sharded")
+    assert decode[switch].context == 257
+    steps_past_switch = len(decode) - switch
+    assert steps_past_switch >= 64
+    a, b = auto.token_ids, runs["tiled"].token_ids
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    assert first is None, f"greedy texts diverge at generated token {first}"
+
+
+def test_bad_requests_get_clear_errors(loop, gpu, library, tiny_dir):
+    model = load(loop, gpu, library, tiny_dir, "float32", max_context=64)
+    with pytest.raises(ModelError, match="empty"):
+        loop.run_until_complete(generate(model, [], max_new_tokens=4))
+    with pytest.raises(ModelError, match="exceeds the context of 64"):
+        loop.run_until_complete(generate(model, [5] * 60, max_new_tokens=10))
+    # a stop request keeps what was generated so far
+    calls = []
+    result = loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=20,
+                                              should_stop=lambda: len(calls) >= 3,
+                                              on_token=_collect(calls)))
+    assert result.stop_reason == "stopped by user" and len(result.token_ids) == 3
+
+
+def _collect(sink):
+    async def on_token(token_id):
+        sink.append(token_id)
+    return on_token
+
+
+def test_corrupted_weights_are_refused(loop, gpu, library, tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    offset = manifest["tensors"]["layers.1.down.q4"]["offset"]
+    data = bytearray((broken / "weights.bin").read_bytes())
+    data[offset + 5] ^= 0xFF
+    (broken / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="layers.1.down.q4 is corrupted"):
+        load(loop, gpu, library, broken, "float32")
+    (broken / "weights.bin").write_bytes(bytes(data[:1000]))
+    with pytest.raises(ModelError, match="incomplete download or corrupted"):
+        load(loop, gpu, library, broken, "float32")
+
+
+# -- the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(loop, gpu, library):
+    if not (ROOT_ARTIFACT / "manifest.json").exists():
+        pytest.fail("the SmolLM2 artifact is missing: run `make test` (it converts the GGUF)")
+    dtype = "float16" if gpu.has_f16 else "float32"
+    return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(ROOT_ARTIFACT), dtype=dtype))
+
+
+@pytest.mark.parametrize("attention", ["tiled", "sharded"])
+def test_golden_answer(loop, smollm2, attention):
+    smollm2.messages = []
+    result = loop.run_until_complete(smollm2.reply(GOLDEN_PROMPT, max_new_tokens=16, attention=attention))
+    assert result["text"].strip() == GOLDEN_ANSWER, result["text"]
+    assert result["stop_reason"] == "stop token"
+    assert {s["nest"] for s in result["stats"]} == {attention}
+
+
+def test_real_model_logits_match_reference(loop, smollm2):
+    """GPU logits after the prefill and after two decode steps vs numpy on the same weights."""
+    config, weights = load_artifact_weights(ROOT_ARTIFACT)
+    reference = ReferenceLlama(config, weights)
+    model = smollm2.model
+    model.reset()
+    prompt = smollm2.prompt_ids([{"role": "user", "content": GOLDEN_PROMPT}])
+    token = loop.run_until_complete(model.forward(prompt))
+    want = reference.forward(prompt, 0)[-1]
+    for step in range(3):
+        got = logits_of(loop, model)
+        assert rel_l2(got, want) < LOGIT_TOLERANCE[model.dtype], f"step {step}: {rel_l2(got, want):.2e}"
+        assert token == int(np.argmax(want)), f"step {step}: top-1 differs"
+        if step == 2:
+            break
+        pos = model.kv.length
+        token_in = token
+        token = loop.run_until_complete(model.forward([token_in]))
+        want = reference.forward([token_in], pos)[-1]
