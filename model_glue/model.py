@@ -122,6 +122,9 @@ class LlamaModel:
         self.attention: dict = {}
         self._scratch_tokens = 0
         self.buffers: dict = {}
+        # Decode passes (n = 1) dispatch the same kernels on the same buffers every step: their
+        # bind groups are made once per nest and only attention's uniform changes per step.
+        self._decode_plans: dict[str, list] = {}
         self.stats: list[StepStats] = []
 
     # -- loading ----------------------------------------------------------------------------
@@ -193,6 +196,7 @@ class LlamaModel:
         }
         for name, size in sizes.items():
             self.buffers[name] = dev.storage_buffer(size)
+        self._decode_plans.clear()  # they bound the old buffers
         for name, size in {"last": e * c.dim, "last_normed": e * c.dim, "logits": 4 * c.vocab_size,
                            "next_id": 4}.items():
             self.buffers.setdefault(name, dev.storage_buffer(size))
@@ -248,9 +252,19 @@ class LlamaModel:
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
         tokens = {"n": n}
+        plan = self._decode_plans.setdefault(nest, []) if n == 1 else None
+        position = iter(range(10**9))
 
         def run(kernel, buffers, values=tokens, timestamps=None):
-            kernel.bind(buffers, values).dispatch(batch, timestamps)
+            if plan is None:
+                kernel.bind(buffers, values).dispatch(batch, timestamps)
+                return
+            i = next(position)
+            if i == len(plan):
+                plan.append(kernel.bind(buffers, values))
+            elif kernel is self.attention[nest]:
+                plan[i].update(values)  # the context grows every step
+            plan[i].dispatch(batch, timestamps)
 
         def matmul(role, name, x, y, resid=None):
             buffers = {"x": x, "w": w[f"{name}.q4"], "scale": w[f"{name}.scale"], "wmin": w[f"{name}.min"], "y": y}

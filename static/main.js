@@ -1,32 +1,44 @@
-// Bootstrap: load the self-hosted Pyodide, the project's wheel, then hand over to Python (app/page.py).
-// Everything is fetched from this origin: the page works offline.
+// Bootstrap: load the self-hosted Pyodide and the project's wheel, then hand over to Python
+// (app/page.py, app/chat.py). Everything comes from this origin: the page works offline.
+// Text from the model or the user is only ever set through textContent, never as HTML.
 import { loadPyodide } from "./pyodide/pyodide.mjs";
 
-const progress = document.getElementById("progress");
-const errorBox = document.getElementById("error");
+const $ = (id) => document.getElementById(id);
+const progress = $("progress");
+const params = new URLSearchParams(location.search);
+const MAX_CONTEXT = Number(params.get("context") || 4096);
+// ?model=tiny_chat loads random weights behind the same tokenizer (fast page tests on CPU WebGPU).
+const MODEL = params.get("model") || "smollm2";
+const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M" : `${MODEL} (random weights)`;
+const COLORS = { tiled: "#5aa2ff", sharded: "#ffa04d" };
+
+window.demoState = { ready: false, chatReady: false, busy: false, steps: [] };
 
 function step(text) {
   for (const li of progress.querySelectorAll("li.active")) li.className = "done";
   const li = document.createElement("li");
   li.className = "active";
-  li.textContent = text;  // textContent, never innerHTML: messages may carry arbitrary text
+  li.textContent = text;
   progress.append(li);
-  return li;
+}
+
+function finishSteps() {
+  for (const li of progress.querySelectorAll("li.active")) li.className = "done";
 }
 
 function fail(message) {
   for (const li of progress.querySelectorAll("li.active")) li.className = "";
-  errorBox.textContent = message;
-  errorBox.hidden = false;
-  window.demoState = { ready: false, error: message };
+  $("error").textContent = message;
+  $("error").hidden = false;
+  window.demoState.error = message;
 }
 
-function showAdapter(device) {
-  const dl = document.getElementById("adapter");
+function showAdapter(device, probe) {
+  const dl = $("adapter");
   const rows = [
     ["name", device.adapter], ["backend", device.backend],
-    ["shader-f16", device.shader_f16 ? "yes" : "no (f32 kernels)"],
-    ["timestamp-query", device.timestamp_query ? "yes" : "no"],
+    ["shader-f16", device.shader_f16 ? "yes (f16 kernels)" : "no (f32 kernels)"],
+    ["timestamp-query", device.timestamp_query ? "yes" : "no (no attention timings)"],
     ["features", device.features.join(", ")],
   ];
   for (const [k, v] of rows) {
@@ -34,28 +46,140 @@ function showAdapter(device) {
     const dd = document.createElement("dd"); dd.textContent = v;
     dl.append(dt, dd);
   }
-  document.getElementById("adapter-panel").hidden = false;
+  const verdict = $("probe-verdict");
+  verdict.textContent = probe.ok
+    ? `Self-test OK: a TVM-built reduction kernel matches Python's sums (max abs error ${probe.max_abs_error.toExponential(2)}).`
+    : `Self-test FAILED: max abs error ${probe.max_abs_error}`;
+  verdict.className = probe.ok ? "ok" : "error";
+  $("adapter-panel").hidden = false;
 }
 
-function showProbe(result) {
-  const tbody = document.querySelector("#probe-table tbody");
-  result.got.forEach((g, i) => {
-    const tr = document.createElement("tr");
-    for (const v of [i, g.toFixed(5), result.want[i].toFixed(5)]) {
-      const td = document.createElement("td"); td.textContent = v; tr.append(td);
+// -- charts -----------------------------------------------------------------------------------
+function drawSteps(canvas, series) {
+  // series: [{nest, points: [{x, y}]}]; one polyline per series, points coloured by nest.
+  const ctx = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height, pad = 24;
+  ctx.clearRect(0, 0, w, h);
+  const all = series.flatMap((s) => s.points);
+  if (!all.length) return;
+  const minX = Math.min(...all.map((p) => p.x)), maxX = Math.max(...all.map((p) => p.x), minX + 1);
+  const maxY = Math.max(...all.map((p) => p.y), 1e-3);
+  ctx.strokeStyle = "#888"; ctx.fillStyle = "#aaa"; ctx.font = "10px monospace";
+  ctx.beginPath(); ctx.moveTo(pad, 4); ctx.lineTo(pad, h - pad); ctx.lineTo(w - 4, h - pad); ctx.stroke();
+  ctx.fillText(`${maxY.toFixed(2)} ms`, pad + 2, 12);
+  ctx.fillText(`context ${minX}`, pad + 2, h - 8);
+  ctx.fillText(`${maxX}`, w - 40, h - 8);
+  for (const s of series) {
+    ctx.beginPath();
+    s.points.forEach((p, i) => {
+      const X = pad + ((p.x - minX) / (maxX - minX)) * (w - pad - 6), Y = h - pad - (p.y / maxY) * (h - pad - 8);
+      ctx.fillStyle = COLORS[p.nest] || "#ccc";
+      ctx.fillRect(X - 1.5, Y - 1.5, 3, 3);
+      i ? ctx.lineTo(X, Y) : ctx.moveTo(X, Y);
+    });
+    ctx.strokeStyle = s.stroke || "#999";
+    ctx.stroke();
+  }
+}
+
+function updateOverlay(stats) {
+  const steps = window.demoState.steps;
+  steps.push(stats);
+  const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
+  $("overlay-last").textContent =
+    `${stats.kind} · ctx ${stats.context} · ${stats.nest} · attn ${attn} · step ${stats.step_ms.toFixed(1)} ms`;
+  $("overlay-note").textContent = stats.timing_note || "";
+  const points = steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
+    .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
+  drawSteps($("overlay-chart"), [{ points, stroke: "#666" }]);
+  $("overlay").hidden = false;
+}
+
+// -- chat -------------------------------------------------------------------------------------
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = `msg ${role}`;
+  const body = document.createElement("span");
+  body.textContent = text;
+  div.append(body);
+  $("messages").append(div);
+  return div;
+}
+
+function setBusy(busy) {
+  window.demoState.busy = busy;
+  $("send").disabled = busy; $("compare").disabled = busy; $("new-chat").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+function chatError(message) {
+  $("chat-error").textContent = message || "";
+  $("chat-error").hidden = !message;
+}
+
+async function send(app) {
+  const text = $("prompt").value;
+  if (!text.trim()) { chatError("The message is empty."); return; }
+  chatError("");
+  setBusy(true);
+  const userDiv = addMessage("user", text);
+  const bubble = addMessage("assistant", "");
+  const body = bubble.querySelector("span");
+  try {
+    const json = await app.page.chat_reply(app.chat, text, Number($("max-tokens").value) || 128,
+      $("attention").value, (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)));
+    const result = JSON.parse(json);
+    if (result.error) {
+      userDiv.remove(); bubble.remove();
+      chatError(result.error);  // the typed text stays in the box: nothing is lost
+      return;
     }
-    tbody.append(tr);
-  });
-  const verdict = document.getElementById("probe-verdict");
-  verdict.textContent = result.ok
-    ? `OK: GPU sums match Python's (max abs error ${result.max_abs_error.toExponential(2)}).`
-    : `MISMATCH: max abs error ${result.max_abs_error}`;
-  verdict.className = result.ok ? "ok" : "error";
-  document.getElementById("probe-panel").hidden = false;
+    $("prompt").value = "";
+    const meta = document.createElement("span");
+    meta.className = "meta";
+    meta.textContent = `${result.token_ids.length} tokens · ${result.stop_reason}`;
+    bubble.append(meta);
+    window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason };
+  } catch (err) {
+    bubble.remove();
+    chatError(`Generation failed: ${err.message || err}`);
+  } finally {
+    setBusy(false);
+  }
+}
+
+async function compare(app) {
+  const text = $("prompt").value;
+  if (!text.trim()) { chatError("The message is empty."); return; }
+  chatError("");
+  setBusy(true);
+  $("compare-panel").hidden = false;
+  $("compare-verdict").textContent = "running…";
+  $("compare-tiled").textContent = ""; $("compare-sharded").textContent = "";
+  try {
+    const result = JSON.parse(await app.page.chat_compare(app.chat, text, Number($("max-tokens").value) || 128,
+      (nest) => { $("compare-verdict").textContent = `running the ${nest} nest…`; }));
+    if (result.error) { chatError(result.error); $("compare-verdict").textContent = ""; return; }
+    $("compare-tiled").textContent = result.runs.tiled.text;
+    $("compare-sharded").textContent = result.runs.sharded.text;
+    $("compare-verdict").textContent = result.identical
+      ? "Identical greedy text."
+      : `Texts first differ at generated token ${result.first_divergence}.`;
+    const series = ["tiled", "sharded"].map((nest) => ({
+      stroke: COLORS[nest],
+      points: result.runs[nest].stats.filter((s) => s.kind === "decode" && s.attention_ms !== null)
+        .map((s) => ({ x: s.context, y: s.attention_ms, nest })),
+    }));
+    drawSteps($("compare-chart"), series);
+    window.demoState.lastCompare = { identical: result.identical, first_divergence: result.first_divergence };
+  } catch (err) {
+    chatError(`Comparison failed: ${err.message || err}`);
+  } finally {
+    setBusy(false);
+  }
 }
 
 async function boot() {
-  window.demoState = { ready: false };
   if (!("gpu" in navigator)) {
     fail("This browser has no WebGPU (navigator.gpu is missing). Use a recent Chromium-based browser " +
          "with WebGPU enabled (on Linux: --enable-unsafe-webgpu).");
@@ -67,17 +191,37 @@ async function boot() {
   await pyodide.loadPackage("sharded-decode-demo", { messageCallback: () => {} });
   step("Opening WebGPU and reading the kernel manifest…");
   const page = pyodide.pyimport("app.page");
-  const base = new URL("./artifacts/kernels", location.href).href;
-  const session = await page.open_session(base);
+  const session = await page.open_session(new URL("./artifacts/kernels", location.href).href);
   const device = session.device.describe().toJs({ dict_converter: Object.fromEntries });
-  showAdapter(device);
-  step("Running the TVM-built probe kernel…");
+  step("Self-test: running a TVM-built kernel…");
   const probe = (await session.run_probe()).toJs({ dict_converter: Object.fromEntries });
-  showProbe(probe);
-  step("Ready.");
-  for (const li of progress.querySelectorAll("li.active")) li.className = "done";
+  showAdapter(device, probe);
   window.demo = { pyodide, page, session };
-  window.demoState = { ready: true, device, probe };
+  window.demoState = { ...window.demoState, ready: true, device, probe };
+  if (params.get("model") === "off") { step("Ready (model not loaded: ?model=off)."); finishSteps(); return; }
+
+  if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
+  step(`Loading ${MODEL_LABEL}…`);
+  const chat = await page.open_chat(session, new URL(`./artifacts/${MODEL}`, location.href).href,
+    (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT);
+  const app = { page, chat };
+  window.demo.chat = chat;
+  step(`Ready: ${MODEL_LABEL}, ${device.shader_f16 ? "f16" : "f32"} kernels, context up to ${MAX_CONTEXT} tokens.`);
+  finishSteps();
+  $("chat-panel").hidden = false;
+  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); if (!window.demoState.busy) send(app); });
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); if (!window.demoState.busy) send(app); }
+  });
+  $("stop").addEventListener("click", () => chat.request_stop());
+  $("compare").addEventListener("click", () => compare(app));
+  $("new-chat").addEventListener("click", () => {
+    chat.messages = pyodide.toPy([]);
+    $("messages").replaceChildren();
+    window.demoState.steps = [];
+    chatError("");
+  });
+  window.demoState.chatReady = true;
 }
 
 boot().catch((err) => fail(`Startup failed: ${err && err.message ? err.message : err}`));

@@ -137,13 +137,17 @@ def smollm2(loop, gpu, library):
     return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(ROOT_ARTIFACT), dtype=dtype))
 
 
-@pytest.mark.parametrize("attention", ["tiled", "sharded"])
-def test_golden_answer(loop, smollm2, attention):
+def test_golden_answer_through_both_nests(loop, smollm2):
+    """The comparison mode on the golden prompt: both nests answer exactly, identically."""
     smollm2.messages = []
-    result = loop.run_until_complete(smollm2.reply(GOLDEN_PROMPT, max_new_tokens=16, attention=attention))
-    assert result["text"].strip() == GOLDEN_ANSWER, result["text"]
-    assert result["stop_reason"] == "stop token"
-    assert {s["nest"] for s in result["stats"]} == {attention}
+    result = loop.run_until_complete(smollm2.compare(GOLDEN_PROMPT, max_new_tokens=16))
+    for nest in ("tiled", "sharded"):
+        run = result["runs"][nest]
+        assert run["text"].strip() == GOLDEN_ANSWER, (nest, run["text"])
+        assert run["stop_reason"] == "stop token"
+        assert {s["nest"] for s in run["stats"]} == {nest}
+    assert result["identical"] and result["first_divergence"] is None
+    assert smollm2.messages == []  # comparing does not change the conversation
 
 
 def test_real_model_logits_match_reference(loop, smollm2):
