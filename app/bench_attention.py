@@ -85,13 +85,13 @@ async def run_attention_bench(args) -> dict:
                 "context": context, "dtype": dtype,
                 "tiled_us": round(t_tiled * 1e6, 2), "sharded_us": round(t_sharded * 1e6, 2),
                 "ratio": round(t_tiled / t_sharded, 3),
-                "tiled_gbps": round(kv_bytes / t_tiled / 1e9, 2), "sharded_gbps": round(kv_bytes / t_sharded / 1e9, 2),
+                "tiled_gbps": round(kv_bytes / t_tiled / 1e9, 4), "sharded_gbps": round(kv_bytes / t_sharded / 1e9, 4),
                 "timing": method,
             }
             rows.append(row)
             print(f"{shape.head_dim:>4} {f'{shape.num_kv_heads}/{shape.num_qo_heads}':>9} {context:>7} "
                   f"{row['tiled_us']:>10.1f} {row['sharded_us']:>10.1f} {row['ratio']:>6.2f} "
-                  f"{row['tiled_gbps']:>10.1f} {row['sharded_gbps']:>10.1f}", flush=True)
+                  f"{row['tiled_gbps']:>10.3g} {row['sharded_gbps']:>10.3g}", flush=True)
     result = {"adapter": device.adapter_name, "stream_gbps": round(stream_gbps, 1), "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
