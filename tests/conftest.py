@@ -103,3 +103,27 @@ def browser(tmp_path_factory):
         )
         yield context
         context.close()
+
+
+def open_page(browser, url: str, ready: str, timeout_ms: int):
+    """A new tab on `url`, waited until the JS expression `ready` holds; records its requests.
+
+    SwiftShader's renderer crashed once here ("Target crashed") while loading the page; a crash
+    gets one fresh tab before the test fails, and is reported on stderr either way.
+    """
+    from playwright.sync_api import Error as PlaywrightError
+
+    for attempt in (1, 2):
+        tab = browser.new_page()
+        tab.set_viewport_size({"width": 1280, "height": 900})
+        tab.requests = []
+        tab.on("request", lambda r, tab=tab: tab.requests.append(r.url))
+        try:
+            tab.goto(url)
+            tab.wait_for_function(ready, timeout=timeout_ms)
+            return tab
+        except PlaywrightError as err:
+            tab.close()
+            if "crash" not in str(err).lower() or attempt == 2:
+                raise
+            print(f"\nchromium crashed loading {url} ({err}); retrying once", file=sys.stderr)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from conftest import open_page
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
 from kernels.shapes import AttentionShape, attention_kernel_name
@@ -23,17 +24,11 @@ BOOT_TIMEOUT_MS = 180_000
 @pytest.fixture(scope="module")
 def page(browser, server):
     """The demo page, booted; records every request it makes."""
-    tab = browser.new_page()
-    requests = []
-    tab.on("request", lambda r: requests.append(r.url))
-    console = []
-    tab.on("console", lambda m: console.append(m.text))
-    tab.goto(server + "/?model=off")  # kernels only; the chat is tested in test_browser_chat.py
-    tab.wait_for_function("window.demoState && (window.demoState.ready || window.demoState.error)",
-                          timeout=BOOT_TIMEOUT_MS)
+    # kernels only (?model=off); the chat is tested in test_browser_chat.py
+    tab = open_page(browser, server + "/?model=off",
+                    "window.demoState && (window.demoState.ready || window.demoState.error)", BOOT_TIMEOUT_MS)
     state = tab.evaluate("window.demoState")
-    assert state.get("ready"), f"page failed: {state.get('error')}\nconsole: {console[-20:]}"
-    tab.requests = requests
+    assert state.get("ready"), f"page failed: {state.get('error')}"
     yield tab
     tab.close()
 

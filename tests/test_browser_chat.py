@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from conftest import open_page
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -19,14 +20,9 @@ REPLY_TIMEOUT_MS = 300_000
 
 
 def open_chat_page(browser, server, query):
-    tab = browser.new_page()
-    tab.set_viewport_size({"width": 1280, "height": 900})
-    requests = []
-    tab.on("request", lambda r: requests.append(r.url))
-    tab.goto(server + "/" + query)
-    tab.wait_for_function("window.demoState.chatReady || window.demoState.error", timeout=LOAD_TIMEOUT_MS)
+    tab = open_page(browser, server + "/" + query, "window.demoState.chatReady || window.demoState.error",
+                    LOAD_TIMEOUT_MS)
     assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
-    tab.requests = requests
     return tab
 
 

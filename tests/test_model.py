@@ -18,10 +18,10 @@ from model_reference import ReferenceLlama
 ROOT_ARTIFACT = __import__("conftest").STATIC / "artifacts" / "smollm2"
 GOLDEN_PROMPT = "What is the capital of France?"
 GOLDEN_ANSWER = "The capital of France is Paris."
-# Logit tolerances (relative L2 against the f64/f32 numpy reference over the whole vocab):
-# f32 differs from the reference only in summation order (~1e-6 per dot, a few layers deep);
-# f16 rounds every activation and KV entry to 11 bits (~5e-4 each), compounded over the layers.
-LOGIT_TOLERANCE = {"float32": 1e-3, "float16": 3e-2}
+# Logit tolerances (relative L2 against the numpy reference over the whole vocab). f32 differs from
+# the reference only in summation order: measured <= 2.3e-6 (tiny model). f16 rounds every
+# activation and KV entry to 11 bits: measured <= 3.8e-3 (tiny) and <= 1.4e-3 (SmolLM2).
+LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 
 
 @pytest.fixture(scope="module")
