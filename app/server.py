@@ -8,7 +8,6 @@ touched).
 from __future__ import annotations
 
 import functools
-import posixpath
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -62,7 +61,8 @@ def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000) -> Thread
 
 def serve(root: Path, host: str, port: int) -> None:
     httpd = make_server(root, host, port)
-    url = f"http://{posixpath.join(host if host != '0.0.0.0' else '127.0.0.1')}:{httpd.server_address[1]}/"
+    shown_host = "127.0.0.1" if host == "0.0.0.0" else host
+    url = f"http://{shown_host}:{httpd.server_address[1]}/"
     print(f"serving {root} at {url}  (Ctrl-C to stop)", flush=True)
     try:
         httpd.serve_forever()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import tirx
 
-from kernels.abi import device_kernel_abi
+from kernels.abi import device_kernel_abi, expr_to_json
 
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
 
@@ -62,9 +62,7 @@ def _buffer_params(func: tirx.PrimFunc) -> dict:
     return {p.name: p for p in func.params if isinstance(p.ty, tirx.BufferType)}
 
 
-def _shape_json(buffer: tirx.Buffer) -> list:
-    from kernels.abi import expr_to_json
-
+def _shape_json(buffer) -> list:
     return [expr_to_json(dim) for dim in buffer.shape]
 
 
@@ -172,6 +170,8 @@ def build_artifact(out_dir, *, jobs: int = 2, log=print) -> dict:
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / "manifest.json")  # the manifest appears last: its presence means complete
+    for stale in set(out.glob("*.wgsl")) - {out / f"{k.name}.wgsl" for k in built}:
+        stale.unlink()  # kernels renamed or dropped since the last build
     total = sum(k.compile_seconds for k in built)
     log(f"built {len(built)} kernels in {time.perf_counter() - started:.1f} s "
         f"(sum of per-kernel compile times {total:.1f} s) -> {out}")
