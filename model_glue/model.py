@@ -14,7 +14,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from model_glue.attention import context_length, pick_decode_nest
+from model_glue.attention import pick_decode_nest
 
 PAGE_SIZE = 16
 MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
@@ -193,7 +193,8 @@ class LlamaModel:
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
             "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
             "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
-            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n, "zeros": 4 * n,
+            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
+            "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
         }
         for name, size in sizes.items():
             self.buffers[name] = dev.storage_buffer(size)
@@ -228,7 +229,6 @@ class LlamaModel:
         dev.write(buf["indptr"], indptr.tobytes())
         dev.write(buf["page_ids"], page_ids.tobytes())
         dev.write(buf["last_len"], last_len.tobytes())
-        dev.write(buf["zeros"], bytes(4 * n))
 
         stamps = self._stamps
         batch = dev.batch()
