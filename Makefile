@@ -74,7 +74,7 @@ endif
 # by name. The lockfile is written to a temporary name and renamed: it exists only when complete.
 static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/.installed
 	@echo "== project wheel -> Pyodide lockfile"
-	rm -f static/pyodide/*.whl static/pyodide/pyodide-lock.json
+	rm -rf static/pyodide/*.whl static/pyodide/pyodide-lock.json build/lib  # build/lib keeps deleted modules
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w static/pyodide .
 	cd static/pyodide && ../../$(VENV)/bin/pyodide lockfile add-wheels \
 	  --input ../../node_modules/pyodide/pyodide-lock.json --output pyodide-lock.json.tmp \

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from model_glue.model import LlamaModel, ModelError, generate
+from model_glue.model import STOPPED_IN_PREFILL, LlamaModel, ModelError, generate
 from model_glue.tokenizer import BPETokenizer, format_chat
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -36,14 +36,23 @@ class ChatSession:
         return cls(model, tokenizer)
 
     def request_stop(self) -> None:
-        """Ask a running reply to stop after the current token (the partial reply is kept)."""
+        """Ask a running reply to stop after the current token or prefill chunk.
+
+        A reply stopped after its first token keeps its partial text; one stopped during prefill
+        has none, and its turn is not added to the conversation.
+        """
         self._stop_requested = True
+
+    def reset(self) -> None:
+        """New chat: forget the conversation and the cache."""
+        self.messages = []
+        self.model.reset()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(format_chat(messages, add_generation_prompt=True))
 
     async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
-                    on_text=None, on_step=None) -> dict:
+                    on_text=None, on_step=None, on_prefill=None) -> dict:
         """Add a user message, generate the assistant's reply (streamed through on_text)."""
         text = (user_text or "").strip()
         if not text:
@@ -55,11 +64,12 @@ class ChatSession:
         if len(ids) + max_new_tokens > self.model.config.max_context:
             raise ModelError(f"the conversation is {len(ids)} tokens; with {max_new_tokens} new tokens it "
                              f"exceeds the model's context of {self.model.config.max_context}. Start a new chat.")
-        result = await self._run(ids, max_new_tokens, attention, on_text, on_step)
-        self.messages = messages + [{"role": "assistant", "content": result["text"]}]
+        result = await self._run(ids, max_new_tokens, attention, on_text, on_step, on_prefill)
+        if result["stop_reason"] != STOPPED_IN_PREFILL:
+            self.messages = messages + [{"role": "assistant", "content": result["text"]}]
         return result
 
-    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None) -> dict:
+    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None, on_prefill=None) -> dict:
         self._stop_requested = False
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         pieces: list[str] = []
@@ -74,7 +84,8 @@ class ChatSession:
                     on_text(piece)
 
         gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                             attention=attention, on_token=on_token, should_stop=lambda: self._stop_requested)
+                             attention=attention, on_token=on_token, on_prefill=on_prefill,
+                             should_stop=lambda: self._stop_requested)
         tail = decoder.flush()
         if tail:
             pieces.append(tail)

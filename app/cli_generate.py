@@ -6,9 +6,9 @@ import os
 import sys
 
 from app.chat import ChatSession
-from model_glue.artifact import KernelLibrary, folder_readers
+from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.model import ModelError
-from model_glue.webgpu import WgpuDevice
+from model_glue.webgpu import DeviceLostError, WebGPUUnavailable, WgpuDevice
 
 
 def format_stats_table(stats: list[dict]) -> str:
@@ -22,16 +22,16 @@ def format_stats_table(stats: list[dict]) -> str:
 
 async def run_generate(args) -> int:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    device = await WgpuDevice.open()
-    library = await KernelLibrary.from_folder(device, args.kernels)
     try:
+        device = await WgpuDevice.open()
+        library = await KernelLibrary.from_folder(device, args.kernels)
         chat = await ChatSession.load(device, library, folder_readers(args.model),
                                       dtype=None if args.dtype == "auto" else args.dtype,
                                       progress=lambda m: print(f"[{m}]", file=sys.stderr))
         print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
         result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, attention=args.attention,
                                   on_text=lambda piece: print(piece, end="", flush=True))
-    except (ModelError, OSError) as err:
+    except (ModelError, ArtifactError, WebGPUUnavailable, DeviceLostError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print()

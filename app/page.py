@@ -105,26 +105,53 @@ async def open_session(base_url: str) -> Session:
 
 
 # -- thin JSON wrappers the JS bootstrap calls (no proxies to manage on the JS side) -------------
-async def chat_reply(chat, text: str, max_new_tokens: int, attention: str, on_text, on_step) -> str:
-    """One chat turn; streams text pieces and per-step stats (JSON) to JS callbacks."""
+def _failure(err: Exception) -> str | None:
+    """A JSON error for the page if `err` is one a user can act on, else None (a bug: re-raised)."""
     import json
 
     from model_glue.model import ModelError
+    from model_glue.webgpu import DeviceLostError
+
+    if isinstance(err, DeviceLostError):
+        return json.dumps({"error": f"{err}. The conversation is kept; reload the model to go on.",
+                           "device_lost": True})
+    if isinstance(err, ModelError):
+        return json.dumps({"error": str(err)})
+    return None
+
+
+async def chat_reply(chat, text: str, max_new_tokens: int, attention: str, on_text, on_step, on_prefill) -> str:
+    """One chat turn; streams text pieces, per-step stats (JSON) and prefill progress to JS callbacks."""
+    import json
 
     try:
         result = await chat.reply(text, max_new_tokens=int(max_new_tokens), attention=attention,
-                                  on_text=on_text, on_step=lambda stats: on_step(json.dumps(stats)))
-    except ModelError as err:
-        return json.dumps({"error": str(err)})
+                                  on_text=on_text, on_step=lambda stats: on_step(json.dumps(stats)),
+                                  on_prefill=on_prefill)
+    except Exception as err:
+        failure = _failure(err)
+        if failure is None:
+            raise
+        return failure
     return json.dumps(result)
 
 
 async def chat_compare(chat, text: str, max_new_tokens: int, on_progress) -> str:
     import json
 
-    from model_glue.model import ModelError
-
     try:
         return json.dumps(await chat.compare(text, max_new_tokens=int(max_new_tokens), on_progress=on_progress))
-    except ModelError as err:
-        return json.dumps({"error": str(err)})
+    except Exception as err:
+        failure = _failure(err)
+        if failure is None:
+            raise
+        return failure
+
+
+def new_chat(chat) -> None:
+    chat.reset()
+
+
+def carry_over(old_chat, new_chat) -> None:
+    """After the model is reloaded (e.g. the GPU device was lost), keep the conversation."""
+    new_chat.messages = list(old_chat.messages)

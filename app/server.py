@@ -24,6 +24,25 @@ MIME_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".css": "text/css",
     ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+# Only this origin. Pyodide compiles WebAssembly ('wasm-unsafe-eval'); nothing else is relaxed:
+# no inline script, no eval, no other host. The page sets text only through textContent.
+CONTENT_SECURITY_POLICY = "; ".join([
+    "default-src 'self'",
+    "script-src 'self' 'wasm-unsafe-eval'",
+    "connect-src 'self'",
+    "img-src 'self' data: blob:",
+    "style-src 'self'",
+    "object-src 'none'",
+    "base-uri 'none'",
+    "form-action 'none'",
+    "frame-ancestors 'none'",
+])
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
 }
 
 
@@ -44,6 +63,8 @@ class StaticHandler(SimpleHTTPRequestHandler):
     def end_headers(self):
         # Rebuilt artifacts must not be served stale from the browser's cache.
         self.send_header("Cache-Control", "no-cache")
+        for name, value in SECURITY_HEADERS.items():
+            self.send_header(name, value)
         super().end_headers()
 
     def log_message(self, format, *args):  # quieter than the default: one line per error only

@@ -37,16 +37,28 @@ def http_readers(base_url: str):
     from pyodide.http import pyfetch
 
     async def fetch(name: str):
-        response = await pyfetch(f"{base_url}/{name}")
+        url = f"{base_url}/{name}"
+        try:
+            response = await pyfetch(url)
+        except Exception as err:  # a network error: the server is gone, or the body was cut off
+            raise OSError(f"cannot fetch {url} ({err})") from err
         if not response.ok:
-            raise OSError(f"GET {base_url}/{name}: HTTP {response.status}")
+            raise OSError(f"cannot fetch {url} (HTTP {response.status}); the server's artifact is "
+                          "incomplete: run `make setup` there, then reload")
         return response
 
+    async def read(name: str, as_text: bool):
+        response = await fetch(name)
+        try:
+            return await (response.string() if as_text else response.bytes())
+        except Exception as err:  # the connection dropped mid-body
+            raise OSError(f"cannot read {base_url}/{name} ({err})") from err
+
     async def read_text(name: str) -> str:
-        return await (await fetch(name)).string()
+        return await read(name, True)
 
     async def read_bytes(name: str) -> bytes:
-        return await (await fetch(name)).bytes()
+        return await read(name, False)
 
     return read_text, read_bytes
 
@@ -87,6 +99,9 @@ class KernelLibrary:
             if name not in self.specs:
                 raise ArtifactError(f"kernel {name!r} is not in this artifact")
             spec = self.specs[name]
-            wgsl = await self._read_text(spec["wgsl"])
+            try:
+                wgsl = await self._read_text(spec["wgsl"])
+            except OSError as err:
+                raise ArtifactError(f"kernel {name}: {err}") from err
             self._compiled[name] = await Kernel.compile(self.device, spec, wgsl)
         return self._compiled[name]

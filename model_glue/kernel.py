@@ -21,8 +21,8 @@ _OPS = {
     "min": min,
     "max": max,
 }
-# WebGPU's default maxComputeWorkgroupsPerDimension; TVM packs wider grids into z, which we avoid.
-MAX_WORKGROUPS_PER_DIM = 65535
+
+from model_glue.webgpu import AdapterLimitError
 
 
 def evaluate(expr, values: dict[str, float]):
@@ -39,6 +39,21 @@ def evaluate(expr, values: dict[str, float]):
     return _OPS[op](evaluate(lhs, values), evaluate(rhs, values))
 
 
+def unmet_limits(spec: dict, limits: dict[str, int]) -> list[str]:
+    """What one kernel needs (from its manifest entry) beyond the device's limits, in words."""
+    size = spec["workgroup_size"]
+    needs = [
+        ("maxStorageBuffersPerShaderStage", len(spec["buffers"]), "storage buffers it binds"),
+        ("maxComputeInvocationsPerWorkgroup", size[0] * size[1] * size[2], "invocations per workgroup"),
+        ("maxComputeWorkgroupStorageSize", spec["workgroup_storage_bytes"], "bytes of workgroup storage"),
+        ("maxComputeWorkgroupSizeX", size[0], "workgroup size in x"),
+        ("maxComputeWorkgroupSizeY", size[1], "workgroup size in y"),
+        ("maxComputeWorkgroupSizeZ", size[2], "workgroup size in z"),
+    ]
+    return [f"{limit} is {limits[limit]} on this adapter, but kernel {spec['name']} needs {need} ({what})"
+            for limit, need, what in needs if limit in limits and need > limits[limit]]
+
+
 class Kernel:
     """A compiled pipeline plus the ABI needed to bind and launch it."""
 
@@ -51,6 +66,9 @@ class Kernel:
 
     @classmethod
     async def compile(cls, device, spec: dict, wgsl: str) -> "Kernel":
+        unmet = unmet_limits(spec, device.limits)
+        if unmet:
+            raise AdapterLimitError("this GPU adapter's limits are too low: " + "; ".join(unmet))
         pipeline = await device.compute_pipeline(wgsl, spec["entry"], spec["name"])
         return cls(device, spec, pipeline)
 
@@ -62,8 +80,11 @@ class Kernel:
 
     def grid(self, values: dict[str, float]) -> tuple[int, int, int]:
         x, y = (int(evaluate(e, values)) for e in self.spec["grid"])
-        if x > MAX_WORKGROUPS_PER_DIM or y > MAX_WORKGROUPS_PER_DIM:
-            raise ValueError(f"{self.name}: grid {x}x{y} exceeds {MAX_WORKGROUPS_PER_DIM} per dimension")
+        # TVM would pack a wider grid into z; we never launch one.
+        most = self.device.limits.get("maxComputeWorkgroupsPerDimension", 65535)
+        if x > most or y > most:
+            raise AdapterLimitError(f"{self.name}: a grid of {x}x{y} workgroups exceeds "
+                                    f"maxComputeWorkgroupsPerDimension={most} on this adapter")
         return (x, y, 1)
 
     def bind(self, buffers: dict, values: dict[str, float]) -> "BoundKernel":
@@ -91,3 +112,11 @@ class BoundKernel:
 
     def dispatch(self, batch, timestamps=None) -> None:
         batch.dispatch(self.kernel.pipeline, self.bind_group, self.grid, timestamps)
+
+    def release(self) -> None:
+        """Free the uniform now (work already submitted still completes)."""
+        self.kernel.device.destroy(self.uniform)
+
+    def release_after(self, batch) -> None:
+        """A one-shot binding: its uniform is freed once `batch` is submitted."""
+        batch.release_after_submit(self.uniform)

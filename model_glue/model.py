@@ -15,9 +15,13 @@ from array import array
 from dataclasses import dataclass, field
 
 from model_glue.attention import pick_decode_nest
+from model_glue.kernel import unmet_limits
+from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 PAGE_SIZE = 16
 MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
+STOPPED_BY_USER = "stopped by user"
+STOPPED_IN_PREFILL = "stopped during prefill"
 WEIGHTS_FORMAT = 1
 
 
@@ -73,11 +77,19 @@ class PagedKVCache:
     """
 
     def __init__(self, device, config: LlamaConfig, dtype_bytes: int):
-        self.num_pages = (config.max_context + PAGE_SIZE - 1) // PAGE_SIZE
-        page_bytes = 2 * config.n_kv_heads * PAGE_SIZE * config.head_dim * dtype_bytes
-        self.layers = [device.storage_buffer(self.num_pages * page_bytes) for _ in range(config.n_layers)]
+        self.num_pages = self.pages_for(config)
+        self.layers = [device.storage_buffer(self.layer_bytes(config, dtype_bytes)) for _ in range(config.n_layers)]
         self.pages: list[int] = []
         self.length = 0
+
+    @staticmethod
+    def pages_for(config: LlamaConfig) -> int:
+        return (config.max_context + PAGE_SIZE - 1) // PAGE_SIZE
+
+    @classmethod
+    def layer_bytes(cls, config: LlamaConfig, dtype_bytes: int) -> int:
+        """One layer's pages: [num_pages, 2 (K, V), H_kv, PAGE_SIZE, D]."""
+        return cls.pages_for(config) * 2 * config.n_kv_heads * PAGE_SIZE * config.head_dim * dtype_bytes
 
     def reset(self) -> None:
         self.pages.clear()
@@ -147,8 +159,18 @@ class LlamaModel:
         if dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         tag = _find_kernel_tag(library, config, dtype)
+        names = _kernel_names(library, config, dtype, tag)
+        esize = 2 if dtype == "float16" else 4
+        _check_limits(device, library, names.values(), {
+            "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
+            "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
+            "the largest activation buffer": max(cls.scratch_sizes(config, esize, MAX_PREFILL_CHUNK).values()),
+        })
         progress(f"downloading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
-        blob = await read_bytes(manifest["weights_file"])
+        try:
+            blob = await read_bytes(manifest["weights_file"])
+        except OSError as err:
+            raise ModelError(f"cannot download the weights: {err}") from err
         if len(blob) != manifest["total_bytes"]:
             raise ModelError(f"weights file has {len(blob)} bytes, the manifest says {manifest['total_bytes']}"
                              " (incomplete download or corrupted artifact)")
@@ -162,32 +184,19 @@ class LlamaModel:
             weights[name] = device.storage_buffer(t["nbytes"], data)
         model = cls(device, library, config, weights, dtype, tag)
         progress("compiling kernels")
-        await model._compile_kernels()
+        for role, name in names.items():
+            if role in ATTENTION_NESTS:
+                model.attention[role] = await library.kernel(name)
+            else:
+                model.kernels[role] = await library.kernel(name)
         return model
 
-    async def _compile_kernels(self) -> None:
-        for role in ("embed", "rms_norm", "rope_append", "swiglu", "lm_head", "argmax",
-                     "qkv_decode", "o_decode", "gate_up_decode", "down_decode",
-                     "qkv_prefill", "o_prefill", "gate_up_prefill", "down_prefill"):
-            (name,) = self.library.names(kind="llama", model=self.tag, role=role, dtype=self.dtype)
-            self.kernels[role] = await self.library.kernel(name)
-        for nest in ("tiled", "sharded"):
-            names = self.library.names(kind="decode_attention", nest=nest, head_dim=self.config.head_dim,
-                                       num_kv_heads=self.config.n_kv_heads, num_qo_heads=self.config.n_heads,
-                                       dtype=self.dtype, sliding_window=False)
-            if not names:
-                raise ModelError(f"the kernel artifact has no {nest} attention for this model's shape")
-            self.attention[nest] = await self.library.kernel(names[0])
-
     # -- scratch buffers ----------------------------------------------------------------------
-    def _ensure_scratch(self, tokens: int) -> None:
-        """Activation buffers for up to `tokens` tokens per pass (grown on demand, never shrunk)."""
-        if tokens <= self._scratch_tokens:
-            return
-        c, e, dev = self.config, self.esize, self.device
-        n = max(tokens, 1)
-        max_pages = self.kv.num_pages
-        sizes = {
+    @staticmethod
+    def scratch_sizes(c: LlamaConfig, e: int, n: int) -> dict[str, int]:
+        """Bytes of each activation buffer for passes of up to `n` tokens (`e` bytes per element)."""
+        max_pages = PagedKVCache.pages_for(c)
+        return {
             "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
             "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
@@ -196,12 +205,25 @@ class LlamaModel:
             "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
             "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
         }
-        for name, size in sizes.items():
+
+    def _ensure_scratch(self, tokens: int) -> None:
+        """Activation buffers for up to `tokens` tokens per pass (grown on demand, never shrunk)."""
+        if tokens <= self._scratch_tokens:
+            return
+        c, e, dev = self.config, self.esize, self.device
+        n = max(tokens, 1)
+        for name, size in self.scratch_sizes(c, e, n).items():
+            if name in self.buffers:
+                dev.destroy(self.buffers[name])  # passes already submitted keep it alive until done
             self.buffers[name] = dev.storage_buffer(size)
-        self._decode_plans.clear()  # they bound the old buffers
+        for plan in self._decode_plans.values():  # they bound the old buffers
+            for bound in plan:
+                bound.release()
+        self._decode_plans.clear()
         for name, size in {"last": e * c.dim, "last_normed": e * c.dim, "logits": 4 * c.vocab_size,
                            "next_id": 4}.items():
-            self.buffers.setdefault(name, dev.storage_buffer(size))
+            if name not in self.buffers:  # one-token buffers never grow
+                self.buffers[name] = dev.storage_buffer(size)
         if dev.has_timestamps and self._stamps is None:
             self._stamps = dev.timestamps(2 * c.n_layers)  # reused every pass: query sets are scarce
         self._scratch_tokens = n
@@ -258,7 +280,9 @@ class LlamaModel:
 
         def run(kernel, buffers, values=tokens, timestamps=None):
             if plan is None:
-                kernel.bind(buffers, values).dispatch(batch, timestamps)
+                bound = kernel.bind(buffers, values)
+                bound.dispatch(batch, timestamps)
+                bound.release_after(batch)
                 return
             i = next(position)
             if i == len(plan):
@@ -313,6 +337,40 @@ class LlamaModel:
         return await self.device.read(self.buffers["logits"], 4 * self.config.vocab_size)
 
 
+LLAMA_ROLES = ("embed", "rms_norm", "rope_append", "swiglu", "lm_head", "argmax",
+               "qkv_decode", "o_decode", "gate_up_decode", "down_decode",
+               "qkv_prefill", "o_prefill", "gate_up_prefill", "down_prefill")
+ATTENTION_NESTS = ("tiled", "sharded")
+
+
+def _kernel_names(library, config: LlamaConfig, dtype: str, tag: str) -> dict[str, str]:
+    """Artifact kernel name of every role the forward pass runs, attention nests included."""
+    names = {}
+    for role in LLAMA_ROLES:
+        (names[role],) = library.names(kind="llama", model=tag, role=role, dtype=dtype)
+    for nest in ATTENTION_NESTS:
+        found = library.names(kind="decode_attention", nest=nest, head_dim=config.head_dim,
+                              num_kv_heads=config.n_kv_heads, num_qo_heads=config.n_heads,
+                              dtype=dtype, sliding_window=False)
+        if not found:
+            raise ModelError(f"the kernel artifact has no {nest} attention for this model's shape")
+        names[nest] = found[0]
+    return names
+
+
+def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -> None:
+    """Refuse an adapter below what the model's kernels and buffers need, naming each limit."""
+    unmet = []
+    for name in kernel_names:
+        unmet += unmet_limits(library.specs[name], device.limits)
+    for limit in BUFFER_LIMITS:
+        have = device.limits.get(limit)
+        unmet += [f"{limit} is {have} on this adapter, but {what} needs {nbytes} bytes"
+                  for what, nbytes in buffer_bytes.items() if have is not None and nbytes > have]
+    if unmet:
+        raise AdapterLimitError("this GPU adapter's limits are too low for the model: " + "; ".join(unmet))
+
+
 def _find_kernel_tag(library, config: LlamaConfig, dtype: str) -> str:
     for name in library.names(kind="llama", role="embed", dtype=dtype):
         meta = library.specs[name]["meta"]
@@ -331,8 +389,14 @@ class Generation:
 
 
 async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=(),
-                   attention: str = "auto", on_token=None, should_stop=lambda: False) -> Generation:
-    """Greedy generation: prefill the prompt (in chunks), then one decode step per token."""
+                   attention: str = "auto", on_token=None, on_prefill=None,
+                   should_stop=lambda: False) -> Generation:
+    """Greedy generation: prefill the prompt (in chunks), then one decode step per token.
+
+    `should_stop` is asked between prefill chunks and after every token: a stop during prefill
+    ends with no tokens and stop_reason STOPPED_IN_PREFILL. `on_prefill(done, total)` reports
+    prompt tokens prefilled so far.
+    """
     result = Generation()
     model.reset()
     if not prompt_ids:
@@ -342,7 +406,13 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
                          f"context of {model.config.max_context} tokens; shorten the conversation")
     next_id = None
     for chunk_start in range(0, len(prompt_ids), MAX_PREFILL_CHUNK):
+        if should_stop():
+            result.stop_reason = STOPPED_IN_PREFILL
+            result.stats = list(model.stats)
+            return result
         next_id = await model.forward(prompt_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention)
+        if on_prefill is not None:
+            on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(prompt_ids)), len(prompt_ids))
     while True:
         result.token_ids.append(next_id)
         if on_token is not None:
@@ -354,7 +424,7 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
             result.stop_reason = "max tokens"
             break
         if should_stop():
-            result.stop_reason = "stopped by user"
+            result.stop_reason = STOPPED_BY_USER
             break
         next_id = await model.forward([next_id], attention)
     result.stats = list(model.stats)

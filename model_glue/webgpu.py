@@ -7,25 +7,52 @@ in the browser and natively. The API is async because the browser's WebGPU promi
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 # WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
 MAP_READ, COPY_SRC, COPY_DST, UNIFORM, STORAGE, QUERY_RESOLVE = 1, 4, 8, 64, 128, 512
 
-# What the kernels need: TVM's tiled decode kernel binds 9 storage buffers (default limit 8).
-REQUIRED_LIMITS = {
-    "maxStorageBuffersPerShaderStage": 10,
-    "maxComputeInvocationsPerWorkgroup": 256,
-    "maxComputeWorkgroupStorageSize": 16384,
-}
-# Taken up to what the adapter offers: model weights and long KV caches need big bindings, and
-# TVM's tiled decode kernel in f32 with GQA group 1 needs ~17.5 KiB of workgroup storage.
-GENEROUS_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize", "maxComputeWorkgroupStorageSize")
+# Limits the device asks for, each at the adapter's best value. What the artifact's kernels need of
+# them is read from the manifest when a kernel is compiled (model_glue.kernel.unmet_limits) and the
+# model checks its buffer sizes at load, so an adapter below the artifact's needs is refused there,
+# with the limit named, instead of failing somewhere inside a pass.
+KERNEL_LIMITS = (
+    "maxStorageBuffersPerShaderStage",  # TVM's tiled decode kernel binds 9 (WebGPU's default is 8)
+    "maxComputeInvocationsPerWorkgroup",
+    "maxComputeWorkgroupStorageSize",  # TVM's tiled kernel in f32 with GQA group 1 needs ~17.5 KiB
+    "maxComputeWorkgroupSizeX", "maxComputeWorkgroupSizeY", "maxComputeWorkgroupSizeZ",
+    "maxComputeWorkgroupsPerDimension",
+)
+BUFFER_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize")  # weights and long KV caches
+REQUESTED_LIMITS = KERNEL_LIMITS + BUFFER_LIMITS
 OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+
+
+def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
+    """The limits to request: the adapter's value of each (`offered(name)`), lowered by `caps`.
+
+    `caps` lets tests and benchmarks pretend to be a smaller adapter.
+    """
+    caps = caps or {}
+    return {name: min(int(offered(name)), caps.get(name, 1 << 62)) for name in REQUESTED_LIMITS}
 
 
 class WebGPUUnavailable(RuntimeError):
     """No usable adapter: the message says what is missing, in words a user can act on."""
+
+
+class AdapterLimitError(WebGPUUnavailable):
+    """The adapter's limits are below what a kernel or buffer of the artifact needs."""
+
+
+class DeviceLostError(RuntimeError):
+    """The GPU device was lost (driver reset, device.destroy(), ...): open a new one to go on."""
+
+
+def _looks_lost(err: Exception) -> bool:
+    text = str(err).lower()
+    return "lost" in text or "destroyed" in text
 
 
 def _kebab(name: str) -> str:
@@ -43,35 +70,65 @@ class Device:
         self.limits = limits
         self.has_f16 = "shader-f16" in self.features
         self.has_timestamps = "timestamp-query" in self.features
+        self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
+        self.lost_reason: str | None = None  # set once the device is lost
+
+    def _lost(self, err: Exception) -> Exception:
+        """`err` as a DeviceLostError when the device is gone, else unchanged."""
+        if self.lost_reason is None and not _looks_lost(err):
+            return err
+        reason = self.lost_reason or str(err).strip().splitlines()[-1]
+        return DeviceLostError(f"the GPU device was lost ({reason})")
 
     # -- buffers ------------------------------------------------------------------------------
+    def _buffer(self, size: int, usage: int):
+        try:
+            buffer = self._create_buffer(size, usage)
+        except Exception as err:
+            raise self._lost(err) from err
+        self.live_buffers += 1
+        return buffer
+
     def storage_buffer(self, nbytes: int, data: bytes | memoryview | None = None):
         """A storage buffer that can also be copied from (readback) and written by the queue."""
-        buffer = self._create_buffer(max(4, _align4(nbytes)), STORAGE | COPY_SRC | COPY_DST)
+        buffer = self._buffer(max(4, _align4(nbytes)), STORAGE | COPY_SRC | COPY_DST)
         if data is not None:
             self.write(buffer, data)
         return buffer
 
     def uniform_buffer(self, data: bytes):
-        buffer = self._create_buffer(max(16, _align(len(data), 16)), UNIFORM | COPY_DST)
+        buffer = self._buffer(max(16, _align(len(data), 16)), UNIFORM | COPY_DST)
         self.write(buffer, data)
         return buffer
+
+    def destroy(self, buffer) -> None:
+        """Free a buffer now (work already submitted that uses it still completes)."""
+        self._destroy(buffer)
+        self.live_buffers -= 1
 
     def write(self, buffer, data: bytes | memoryview, offset: int = 0) -> None:
         data = memoryview(data).cast("B")
         if len(data) % 4:  # writeBuffer sizes must be multiples of 4
             data = memoryview(bytes(data) + bytes(4 - len(data) % 4))
-        self._write(buffer, offset, data)
+        try:
+            self._write(buffer, offset, data)
+        except Exception as err:
+            raise self._lost(err) from err
 
     async def read(self, buffer, nbytes: int, offset: int = 0) -> bytes:
         """Copy `nbytes` of a buffer back to the host (through a mappable staging buffer)."""
         size = _align4(nbytes)
-        staging = self._create_buffer(size, MAP_READ | COPY_DST)
-        batch = self.batch()
-        batch.copy(buffer, offset, staging, 0, size)
-        batch.submit()
-        data = await self._map_read(staging, size)
-        self._destroy(staging)
+        staging = self._buffer(size, MAP_READ | COPY_DST)
+        try:
+            batch = self.batch()
+            batch.copy(buffer, offset, staging, 0, size)
+            batch.submit()
+            data = await self._map_read(staging, size)
+        except Exception as err:
+            await asyncio.sleep(0)  # a pending device-lost notification arrives first
+            raise self._lost(err) from err
+        finally:
+            self.destroy(staging)
         return data[:nbytes]
 
     # -- pipelines ----------------------------------------------------------------------------
@@ -112,6 +169,7 @@ class Batch:
         self.device = device
         self.encoder = device._create_encoder()
         self._open_pass = None
+        self._release_after_submit: list = []
 
     def dispatch(self, pipeline, bind_group, grid: tuple[int, int, int], timestamps: tuple | None = None):
         """Dispatch; `timestamps=(Timestamps, begin_index, end_index)` brackets it alone."""
@@ -138,9 +196,19 @@ class Batch:
         self._close_pass()
         self.device._resolve(self.encoder, timestamps)
 
+    def release_after_submit(self, buffer) -> None:
+        """Destroy `buffer` once this batch is submitted (one-shot uniforms of a prefill pass)."""
+        self._release_after_submit.append(buffer)
+
     def submit(self) -> None:
         self._close_pass()
-        self.device._submit(self.encoder)
+        try:
+            self.device._submit(self.encoder)
+        except Exception as err:
+            raise self.device._lost(err) from err
+        finally:
+            for buffer in self._release_after_submit:
+                self.device.destroy(buffer)
 
 
 class Timestamps:
@@ -150,7 +218,7 @@ class Timestamps:
         self.device = device
         self.count = count
         self.query_set = device._create_query_set(count)
-        self.resolved = device._create_buffer(8 * count, QUERY_RESOLVE | COPY_SRC)
+        self.resolved = device._buffer(8 * count, QUERY_RESOLVE | COPY_SRC)
 
     async def read_ns(self) -> list[int]:
         raw = await self.device.read(self.resolved, 8 * self.count)
@@ -179,7 +247,8 @@ class WgpuDevice(Device):
         self._device = device
 
     @classmethod
-    async def open(cls) -> "WgpuDevice":
+    async def open(cls, limit_caps: dict[str, int] | None = None) -> "WgpuDevice":
+        """The best adapter (a GPU before a CPU rasterizer); `limit_caps` pretends to be a smaller one."""
         import wgpu
 
         adapters = wgpu.gpu.enumerate_adapters_sync()
@@ -188,19 +257,7 @@ class WgpuDevice(Device):
         # Prefer a real GPU over a CPU rasterizer when both are present.
         rank = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
         adapter = min(adapters, key=lambda a: rank.get(a.info.get("adapter_type"), 4))
-        return await cls._open_adapter(adapter)
-
-    @classmethod
-    async def _open_adapter(cls, adapter) -> "WgpuDevice":
-        offered = adapter.limits
-        limits = {}
-        for name, want in REQUIRED_LIMITS.items():
-            have = offered[_kebab(name)]
-            if have < want:
-                raise WebGPUUnavailable(f"adapter offers {name}={have}, kernels need {want}")
-            limits[name] = want
-        for name in GENEROUS_LIMITS:
-            limits[name] = max(limits.get(name, 0), offered[_kebab(name)])
+        limits = negotiate_limits(lambda name: adapter.limits[_kebab(name)], limit_caps)
         features = {f for f in OPTIONAL_FEATURES if f in adapter.features}
         device = adapter.request_device_sync(
             required_features=sorted(features),
@@ -279,8 +336,9 @@ class BrowserDevice(Device):
         self._device = device
 
     @classmethod
-    async def open(cls) -> "BrowserDevice":
+    async def open(cls, limit_caps: dict[str, int] | None = None) -> "BrowserDevice":
         import js
+        from pyodide.ffi import create_proxy
 
         gpu = getattr(js.navigator, "gpu", None)
         if gpu is None:
@@ -288,14 +346,7 @@ class BrowserDevice(Device):
         adapter = await gpu.requestAdapter(_js({"powerPreference": "high-performance"}))
         if adapter is None:
             raise WebGPUUnavailable("WebGPU is present but no adapter was granted")
-        limits = {}
-        for name, want in REQUIRED_LIMITS.items():
-            have = int(getattr(adapter.limits, name))
-            if have < want:
-                raise WebGPUUnavailable(f"adapter offers {name}={have}, kernels need {want}")
-            limits[name] = want
-        for name in GENEROUS_LIMITS:
-            limits[name] = max(limits.get(name, 0), int(getattr(adapter.limits, name)))
+        limits = negotiate_limits(lambda name: getattr(adapter.limits, name), limit_caps)
         features = {f for f in OPTIONAL_FEATURES if adapter.features.has(f)}
         device = await adapter.requestDevice(
             _js({"requiredFeatures": sorted(features), "requiredLimits": limits})
@@ -303,7 +354,17 @@ class BrowserDevice(Device):
         info = adapter.info
         parts = [str(getattr(info, k, "") or "") for k in ("vendor", "architecture", "device", "description")]
         name = " / ".join(p for p in parts if p) or "unknown adapter"
-        return cls(device, name, features, limits)
+        opened = cls(device, name, features, limits)
+        device.lost.then(create_proxy(opened._on_lost))
+        return opened
+
+    @property
+    def js_device(self):
+        """The GPUDevice itself (the page watches `lost`; the fault tests destroy it)."""
+        return self._device
+
+    def _on_lost(self, info) -> None:
+        self.lost_reason = f"{info.reason}: {info.message}" if info.message else str(info.reason)
 
     def _create_buffer(self, size, usage):
         return self._device.createBuffer(_js({"size": size, "usage": usage}))
@@ -389,8 +450,8 @@ def in_browser() -> bool:
     return sys.platform == "emscripten"
 
 
-async def open_device() -> Device:
+async def open_device(limit_caps: dict[str, int] | None = None) -> Device:
     """The browser's device under Pyodide, else wgpu-py's best adapter."""
     if in_browser():
-        return await BrowserDevice.open()
-    return await WgpuDevice.open()
+        return await BrowserDevice.open(limit_caps)
+    return await WgpuDevice.open(limit_caps)

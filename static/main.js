@@ -12,7 +12,16 @@ const MODEL = params.get("model") || "smollm2";
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M" : `${MODEL} (random weights)`;
 const COLORS = { tiled: "#5aa2ff", sharded: "#ffa04d" };
 
-window.demoState = { ready: false, chatReady: false, busy: false, steps: [] };
+window.demoState = { ready: false, chatReady: false, busy: false, steps: [], deviceLost: null };
+
+// A Python exception reaches JS as a PythonError whose message is the whole traceback: show its
+// last line, without the module path of the exception class.
+function errorText(err) {
+  const text = String((err && err.message) || err).trim();
+  if (!err || err.type === undefined) return text;
+  const last = text.split("\n").filter((line) => line.trim()).pop() || text;
+  return last.replace(/^[\w.]*\.(\w+: )/, "$1");
+}
 
 function step(text) {
   for (const li of progress.querySelectorAll("li.active")) li.className = "done";
@@ -106,10 +115,20 @@ function addMessage(role, text) {
   return div;
 }
 
+// The reply or comparison in flight (a promise), so New chat can stop it and wait for it.
+let running = null;
+
 function setBusy(busy) {
   window.demoState.busy = busy;
-  $("send").disabled = busy; $("compare").disabled = busy; $("new-chat").disabled = busy;
+  const blocked = busy || window.demoState.deviceLost !== null;
+  $("send").disabled = blocked; $("compare").disabled = blocked;
   $("stop").disabled = !busy;
+}
+
+function showPrefill(done, total) {
+  window.demoState.prefill = { done, total };
+  $("overlay-last").textContent = `prefill ${done}/${total} tokens`;
+  $("overlay").hidden = false;
 }
 
 function chatError(message) {
@@ -117,21 +136,40 @@ function chatError(message) {
   $("chat-error").hidden = !message;
 }
 
-async function send(app) {
+function send(app) {
+  if (window.demoState.busy || window.demoState.deviceLost) return;
+  running = reply(app).finally(() => { running = null; });
+}
+
+async function reply(app) {
   const text = $("prompt").value;
   if (!text.trim()) { chatError("The message is empty."); return; }
   chatError("");
   setBusy(true);
+  window.demoState.prefill = null;
   const userDiv = addMessage("user", text);
   const bubble = addMessage("assistant", "");
   const body = bubble.querySelector("span");
   try {
     const json = await app.page.chat_reply(app.chat, text, Number($("max-tokens").value) || 128,
-      $("attention").value, (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)));
+      $("attention").value, (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)),
+      showPrefill);
     const result = JSON.parse(json);
+    if (result.device_lost) {
+      // Keep what was shown (the partial reply too) and the typed text; offer a reload.
+      bubble.classList.add("interrupted");
+      deviceLost(app, result.error);
+      return;
+    }
     if (result.error) {
       userDiv.remove(); bubble.remove();
       chatError(result.error);  // the typed text stays in the box: nothing is lost
+      return;
+    }
+    if (result.stop_reason === "stopped during prefill") {
+      userDiv.remove(); bubble.remove();
+      chatError("Stopped before the first token. Your message is still in the box.");
+      window.demoState.lastReply = { text: "", stop_reason: result.stop_reason };
       return;
     }
     $("prompt").value = "";
@@ -142,13 +180,18 @@ async function send(app) {
     window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason };
   } catch (err) {
     bubble.remove();
-    chatError(`Generation failed: ${err.message || err}`);
+    chatError(`Generation failed: ${errorText(err)}`);
   } finally {
     setBusy(false);
   }
 }
 
-async function compare(app) {
+function compare(app) {
+  if (window.demoState.busy || window.demoState.deviceLost) return;
+  running = compareNests(app).finally(() => { running = null; });
+}
+
+async function compareNests(app) {
   const text = $("prompt").value;
   if (!text.trim()) { chatError("The message is empty."); return; }
   chatError("");
@@ -159,7 +202,11 @@ async function compare(app) {
   try {
     const result = JSON.parse(await app.page.chat_compare(app.chat, text, Number($("max-tokens").value) || 128,
       (nest) => { $("compare-verdict").textContent = `running the ${nest} nest…`; }));
-    if (result.error) { chatError(result.error); $("compare-verdict").textContent = ""; return; }
+    if (result.error) {
+      $("compare-verdict").textContent = "";
+      if (result.device_lost) deviceLost(app, result.error); else chatError(result.error);
+      return;
+    }
     $("compare-tiled").textContent = result.runs.tiled.text;
     $("compare-sharded").textContent = result.runs.sharded.text;
     $("compare-verdict").textContent = result.identical
@@ -173,10 +220,68 @@ async function compare(app) {
     drawSteps($("compare-chart"), series);
     window.demoState.lastCompare = { identical: result.identical, first_divergence: result.first_divergence };
   } catch (err) {
-    chatError(`Comparison failed: ${err.message || err}`);
+    chatError(`Comparison failed: ${errorText(err)}`);
   } finally {
     setBusy(false);
   }
+}
+
+// The GPU device can be lost at any time (driver reset, another tab, device.destroy()). The page
+// says so, keeps everything on screen and in the box, and offers to load the model again.
+function deviceLost(app, message) {
+  if (window.demoState.deviceLost) return;
+  window.demoState.deviceLost = message;
+  $("device-lost-text").textContent = message;
+  $("device-lost").hidden = false;
+  setBusy(window.demoState.busy);
+}
+
+function watchDevice(app, session) {
+  session.device.js_device.lost.then((info) => {
+    deviceLost(app, `The GPU device was lost (${info.reason}${info.message ? `: ${info.message}` : ""}). ` +
+      "The conversation is kept; reload the model to go on.");
+  });
+}
+
+async function openSession(page) {
+  const session = await page.open_session(new URL("./artifacts/kernels", location.href).href);
+  return { session, device: session.device.describe().toJs({ dict_converter: Object.fromEntries }) };
+}
+
+async function loadChat(page, session) {
+  return page.open_chat(session, new URL(`./artifacts/${MODEL}`, location.href).href,
+    (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT);
+}
+
+async function reloadModel(app) {
+  $("reload-model").disabled = true;
+  try {
+    if (running) { app.chat.request_stop(); await running; }
+    step("Reloading: opening WebGPU again…");
+    const { session } = await openSession(app.page);
+    const chat = await loadChat(app.page, session);
+    app.page.carry_over(app.chat, chat);
+    Object.assign(app, { session, chat });
+    Object.assign(window.demo, { session, chat });
+    watchDevice(app, session);
+    window.demoState.deviceLost = null;
+    $("device-lost").hidden = true;
+    step("Ready again: the model is reloaded and the conversation kept.");
+    finishSteps();
+    setBusy(false);
+  } catch (err) {
+    $("device-lost-text").textContent = `Reloading failed: ${errorText(err)}`;
+  } finally {
+    $("reload-model").disabled = false;
+  }
+}
+
+async function newChat(app) {
+  if (running) { app.chat.request_stop(); await running; }  // a reply in flight ends first
+  app.page.new_chat(app.chat);
+  $("messages").replaceChildren();
+  window.demoState.steps = [];
+  chatError("");
 }
 
 async function boot() {
@@ -191,8 +296,7 @@ async function boot() {
   await pyodide.loadPackage("sharded-decode-demo", { messageCallback: () => {} });
   step("Opening WebGPU and reading the kernel manifest…");
   const page = pyodide.pyimport("app.page");
-  const session = await page.open_session(new URL("./artifacts/kernels", location.href).href);
-  const device = session.device.describe().toJs({ dict_converter: Object.fromEntries });
+  const { session, device } = await openSession(page);
   step("Self-test: running a TVM-built kernel…");
   const probe = (await session.run_probe()).toJs({ dict_converter: Object.fromEntries });
   showAdapter(device, probe);
@@ -202,26 +306,22 @@ async function boot() {
 
   if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
   step(`Loading ${MODEL_LABEL}…`);
-  const chat = await page.open_chat(session, new URL(`./artifacts/${MODEL}`, location.href).href,
-    (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT);
-  const app = { page, chat };
+  const chat = await loadChat(page, session);
+  const app = { page, session, chat };
   window.demo.chat = chat;
+  watchDevice(app, session);
   step(`Ready: ${MODEL_LABEL}, ${device.shader_f16 ? "f16" : "f32"} kernels, context up to ${MAX_CONTEXT} tokens.`);
   finishSteps();
   $("chat-panel").hidden = false;
-  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); if (!window.demoState.busy) send(app); });
+  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); send(app); });
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); if (!window.demoState.busy) send(app); }
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(app); }
   });
-  $("stop").addEventListener("click", () => chat.request_stop());
+  $("stop").addEventListener("click", () => app.chat.request_stop());
   $("compare").addEventListener("click", () => compare(app));
-  $("new-chat").addEventListener("click", () => {
-    chat.messages = pyodide.toPy([]);
-    $("messages").replaceChildren();
-    window.demoState.steps = [];
-    chatError("");
-  });
+  $("new-chat").addEventListener("click", () => newChat(app));
+  $("reload-model").addEventListener("click", () => reloadModel(app));
   window.demoState.chatReady = true;
 }
 
-boot().catch((err) => fail(`Startup failed: ${err && err.message ? err.message : err}`));
+boot().catch((err) => fail(`Startup failed: ${errorText(err)}`));

@@ -106,7 +106,10 @@ def browser(tmp_path_factory):
 
 
 def open_page(browser, url: str, ready: str, timeout_ms: int):
-    """A new tab on `url`, waited until the JS expression `ready` holds; records its requests.
+    """A new tab on `url`, waited until the JS expression `ready` holds; records its requests,
+    console errors and HTTP errors (`tab.requests`, `tab.console_errors`, `tab.http_errors`).
+
+    The page's Content-Security-Policy forbids eval, so Playwright gets `ready` as a function.
 
     SwiftShader's renderer crashed once here ("Target crashed") while loading the page; a crash
     gets one fresh tab before the test fails, and is reported on stderr either way.
@@ -116,11 +119,13 @@ def open_page(browser, url: str, ready: str, timeout_ms: int):
     for attempt in (1, 2):
         tab = browser.new_page()
         tab.set_viewport_size({"width": 1280, "height": 900})
-        tab.requests = []
+        tab.requests, tab.console_errors, tab.http_errors = [], [], []
         tab.on("request", lambda r, tab=tab: tab.requests.append(r.url))
+        tab.on("console", lambda m, tab=tab: m.type == "error" and tab.console_errors.append(m.text))
+        tab.on("response", lambda r, tab=tab: r.status >= 400 and tab.http_errors.append(f"{r.status} {r.url}"))
         try:
             tab.goto(url)
-            tab.wait_for_function(ready, timeout=timeout_ms)
+            tab.wait_for_function(f"() => {ready}", timeout=timeout_ms)
             return tab
         except PlaywrightError as err:
             tab.close()

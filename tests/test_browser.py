@@ -38,6 +38,8 @@ def test_page_boots_offline_and_runs_the_probe(page):
     assert state["probe"]["ok"], state["probe"]
     hosts = {urlsplit(u).hostname for u in page.requests if not u.startswith(("data:", "blob:"))}
     assert hosts == {"127.0.0.1"}, f"requests left 127.0.0.1: {sorted(hosts)}"
+    # No 404 (a favicon included) and no Content-Security-Policy violation on the way.
+    assert page.http_errors == [] and page.console_errors == []
     OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "page-probe.png"), full_page=True)
     (OUTPUT / "browser-adapter.json").write_text(json.dumps(state["device"], indent=1))
@@ -48,7 +50,7 @@ def test_no_webgpu_is_said_plainly(browser, server):
     tab = browser.new_page()
     tab.add_init_script("Object.defineProperty(Navigator.prototype, 'gpu', {get: undefined}); delete Navigator.prototype.gpu;")
     tab.goto(server + "/")
-    tab.wait_for_function("window.demoState && window.demoState.error", timeout=30_000)
+    tab.wait_for_function("() => window.demoState && window.demoState.error", timeout=30_000)
     assert "no WebGPU" in tab.inner_text("#error")
     tab.close()
 

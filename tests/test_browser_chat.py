@@ -43,7 +43,7 @@ def send(tab, text, max_tokens):
 def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
     tab = chat_page
     send(tab, "What is the capital of France?", 8)
-    tab.wait_for_function("window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
     reply = tab.evaluate("window.demoState.lastReply")
     assert reply["stop_reason"] in ("max tokens", "stop token")
     steps = tab.evaluate("window.demoState.steps")
@@ -66,7 +66,7 @@ def test_compare_mode_shows_both_nests(chat_page):
     tab.fill("#prompt", "Compare me")
     tab.evaluate("window.demoState.lastCompare = null")
     tab.click("#compare")
-    tab.wait_for_function("window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
+    tab.wait_for_function("() => window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
     result = tab.evaluate("window.demoState.lastCompare")
     assert result["identical"] and result["first_divergence"] is None
     assert tab.inner_text("#compare-verdict") == "Identical greedy text."
@@ -80,7 +80,7 @@ def test_bad_input_is_refused_and_nothing_is_lost(chat_page):
     assert tab.inner_text("#chat-error") == "The message is empty."
     long_text = "word " * 2000
     send(tab, long_text, 4)
-    tab.wait_for_function("!document.getElementById('chat-error').hidden", timeout=30_000)
+    tab.wait_for_function("() => !document.getElementById('chat-error').hidden", timeout=30_000)
     assert "limit is 8000" in tab.inner_text("#chat-error")
     assert tab.input_value("#prompt") == long_text  # the typed text stays
     assert tab.locator(".msg").count() == before
@@ -90,10 +90,10 @@ def test_html_is_shown_as_text_and_stop_keeps_the_partial_reply(chat_page):
     tab = chat_page
     tab.click("#new-chat")
     send(tab, "<b>bold</b><img src=x onerror=alert(1)> Write a long story.", 200)
-    tab.wait_for_function("window.demoState.steps.filter(s => s.kind === 'decode').length >= 3",
+    tab.wait_for_function("() => window.demoState.steps.filter(s => s.kind === 'decode').length >= 3",
                           timeout=REPLY_TIMEOUT_MS)
     tab.click("#stop")
-    tab.wait_for_function("window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
     reply = tab.evaluate("window.demoState.lastReply")
     assert reply["stop_reason"] == "stopped by user"
     assert reply["text"]  # the partial reply is kept
@@ -110,7 +110,7 @@ def test_golden_answer_with_smollm2_in_chromium(browser, server):
     """SmolLM2 itself in the page (about 8 minutes on SwiftShader): the golden answer."""
     tab = open_chat_page(browser, server, "")
     send(tab, "What is the capital of France?", 16)
-    tab.wait_for_function("window.demoState.lastReply", timeout=900_000)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=900_000)
     assert tab.evaluate("window.demoState.lastReply")["text"].strip() == "The capital of France is Paris."
     tab.screenshot(path=str(OUTPUT / "page-chat-smollm2.png"), full_page=True)
     tab.close()

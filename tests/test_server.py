@@ -16,6 +16,7 @@ def tree_server(tmp_path_factory):
     (root / "sub" / "a.wasm").write_bytes(b"\0asm")
     (root / "sub" / "b.mjs").write_text("export {}")
     (root / "sub" / "c.whl").write_bytes(b"PK")
+    (root / "favicon.svg").write_text("<svg xmlns=\"http://www.w3.org/2000/svg\"/>")
     (root.parent / "secret.txt").write_text("outside the served tree")
     httpd = make_server(root, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -65,3 +66,25 @@ def test_no_directory_listing(tree_server):
     status, _, body = get(tree_server, "/sub/")
     assert status == 404
     assert b"a.wasm" not in body
+
+
+def test_security_headers_on_every_response(tree_server):
+    for path in ("/", "/sub/a.wasm", "/missing.txt"):
+        conn = http.client.HTTPConnection("127.0.0.1", tree_server, timeout=5)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        csp = response.getheader("Content-Security-Policy")
+        assert csp is not None, path
+        directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+        assert directives["default-src"] == "'self'"
+        # WebAssembly for Pyodide and nothing else: no inline script, no eval, no other origin.
+        assert directives["script-src"] == "'self' 'wasm-unsafe-eval'"
+        assert directives["connect-src"] == "'self'"
+        assert response.getheader("X-Content-Type-Options") == "nosniff"
+        assert response.getheader("Referrer-Policy") == "no-referrer"
+
+
+def test_favicon_is_served(tree_server):
+    status, content_type, _ = get(tree_server, "/favicon.svg")
+    assert status == 200 and content_type == "image/svg+xml"
