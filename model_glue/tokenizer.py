@@ -31,14 +31,37 @@ _SPACE, _LETTER, _NUMBER, _OTHER = 0, 1, 2, 3
 _CONTRACTIONS = ("s", "t", "re", "ve", "m", "ll", "d")  # after an apostrophe; case-sensitive like GPT-2
 
 
+# Letters and numbers that HF `tokenizers` knows but Unicode 15.0 leaves unassigned (additions of
+# Unicode 15.1 to 17.0). `unicodedata` follows the running Python (3.12: Unicode 15.0, Pyodide's 3.14:
+# 16.0), while HF 0.23 classifies with Oniguruma's Unicode 16.0 tables (\p{L}, \p{N}) and Rust's
+# Unicode 17.0 `char::is_numeric` (Digits). Without this table, e.g. "\u1c89's" or "  \U00010d40"
+# encode differently from HF on Python 3.12. Derived by classifying every code point through HF's
+# pre-tokenizer; used only for characters the running Python does not know (category Cn).
+_NEWER_LETTERS = (
+    (0x1C89, 0x1C8A), (0xA7CB, 0xA7CD), (0xA7DA, 0xA7DC), (0x105C0, 0x105F3), (0x10D4A, 0x10D65),
+    (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x11380, 0x11389), (0x1138B, 0x1138B), (0x1138E, 0x1138E),
+    (0x11390, 0x113B5), (0x113B7, 0x113B7), (0x113D1, 0x113D1), (0x113D3, 0x113D3), (0x11BC0, 0x11BE0),
+    (0x13460, 0x143FA), (0x16100, 0x1611D), (0x16D40, 0x16D6C), (0x18CFF, 0x18CFF), (0x1E5D0, 0x1E5ED),
+    (0x1E5F0, 0x1E5F0), (0x2EBF0, 0x2EE5D))
+_NEWER_NUMBERS = (
+    (0x10D40, 0x10D49), (0x116D0, 0x116E3), (0x11BF0, 0x11BF9), (0x11DE0, 0x11DE9), (0x16130, 0x16139),
+    (0x16D70, 0x16D79), (0x16FF4, 0x16FF6), (0x1CCF0, 0x1CCF9), (0x1E5F1, 0x1E5FA))
+
+
 def _classify(ch: str) -> int:
     if ch in _WHITESPACE:
         return _SPACE
-    cat = unicodedata.category(ch)[0]
-    if cat == "L":
+    cat = unicodedata.category(ch)
+    if cat[0] == "L":
         return _LETTER
-    if cat == "N":
+    if cat[0] == "N":
         return _NUMBER
+    if cat == "Cn":
+        cp = ord(ch)
+        if any(lo <= cp <= hi for lo, hi in _NEWER_LETTERS):
+            return _LETTER
+        if any(lo <= cp <= hi for lo, hi in _NEWER_NUMBERS):
+            return _NUMBER
     return _OTHER
 
 
