@@ -150,6 +150,10 @@ async function reply(app) {
   const userDiv = addMessage("user", text);
   const bubble = addMessage("assistant", "");
   const body = bubble.querySelector("span");
+  // The box is free for the next message while this one runs; if the turn fails, the text comes
+  // back (unless something new was typed meanwhile): nothing typed is lost.
+  $("prompt").value = "";
+  const giveBack = () => { if (!$("prompt").value) $("prompt").value = text; };
   try {
     const json = await app.page.chat_reply(app.chat, text, Number($("max-tokens").value) || 128,
       $("attention").value, (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)),
@@ -158,21 +162,23 @@ async function reply(app) {
     if (result.device_lost) {
       // Keep what was shown (the partial reply too) and the typed text; offer a reload.
       bubble.classList.add("interrupted");
+      giveBack();
       deviceLost(app, result.error);
       return;
     }
     if (result.error) {
       userDiv.remove(); bubble.remove();
-      chatError(result.error);  // the typed text stays in the box: nothing is lost
+      giveBack();
+      chatError(result.error);
       return;
     }
     if (result.stop_reason === "stopped during prefill") {
       userDiv.remove(); bubble.remove();
-      chatError("Stopped before the first token. Your message is still in the box.");
+      giveBack();
+      chatError("Stopped before the first token. Your message is back in the box.");
       window.demoState.lastReply = { text: "", stop_reason: result.stop_reason };
       return;
     }
-    $("prompt").value = "";
     const meta = document.createElement("span");
     meta.className = "meta";
     meta.textContent = `${result.token_ids.length} tokens · ${result.stop_reason}`;
@@ -180,6 +186,7 @@ async function reply(app) {
     window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason };
   } catch (err) {
     bubble.remove();
+    giveBack();
     chatError(`Generation failed: ${errorText(err)}`);
   } finally {
     setBusy(false);

@@ -105,11 +105,12 @@ def browser(tmp_path_factory):
         context.close()
 
 
-def open_page(browser, url: str, ready: str, timeout_ms: int):
+def open_page(browser, url: str, ready: str, timeout_ms: int, before_load=None):
     """A new tab on `url`, waited until the JS expression `ready` holds; records its requests,
     console errors and HTTP errors (`tab.requests`, `tab.console_errors`, `tab.http_errors`).
 
     The page's Content-Security-Policy forbids eval, so Playwright gets `ready` as a function.
+    `before_load(tab)` runs before navigation (e.g. to route requests to a fault).
 
     SwiftShader's renderer crashed once here ("Target crashed") while loading the page; a crash
     gets one fresh tab before the test fails, and is reported on stderr either way.
@@ -123,6 +124,8 @@ def open_page(browser, url: str, ready: str, timeout_ms: int):
         tab.on("request", lambda r, tab=tab: tab.requests.append(r.url))
         tab.on("console", lambda m, tab=tab: m.type == "error" and tab.console_errors.append(m.text))
         tab.on("response", lambda r, tab=tab: r.status >= 400 and tab.http_errors.append(f"{r.status} {r.url}"))
+        if before_load is not None:
+            before_load(tab)
         try:
             tab.goto(url)
             tab.wait_for_function(f"() => {ready}", timeout=timeout_ms)

@@ -1,0 +1,145 @@
+"""Faults in the page (headless Chromium, tiny_chat): each one gives a message a user can act on
+and loses nothing that was typed or shown."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import open_page
+
+pytestmark = pytest.mark.browser
+LOAD_TIMEOUT_MS = 300_000
+REPLY_TIMEOUT_MS = 300_000
+LOADED = "window.demoState.chatReady || window.demoState.error"
+
+
+def chat_page(browser, server, before_load=None):
+    return open_page(browser, server + "/?model=tiny_chat", LOADED, LOAD_TIMEOUT_MS, before_load)
+
+
+def send(tab, text, max_tokens):
+    tab.fill("#max-tokens", str(max_tokens))
+    tab.fill("#prompt", text)
+    tab.evaluate("window.demoState.lastReply = null")
+    tab.click("#send")
+
+
+def wait_decode_steps(tab, count):
+    tab.wait_for_function(f"() => window.demoState.steps.filter(s => s.kind === 'decode').length >= {count}",
+                          timeout=REPLY_TIMEOUT_MS)
+
+
+def history(tab):
+    return tab.evaluate("window.demo.chat.messages.toJs({dict_converter: Object.fromEntries})")
+
+
+@pytest.fixture(scope="module")
+def tab(browser, server):
+    tab = chat_page(browser, server)
+    assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
+    yield tab
+    tab.close()
+
+
+# -- the artifact: missing, truncated, or not compiling ---------------------------------------------------
+@pytest.mark.parametrize("path,fault,expected", [
+    ("artifacts/tiny_chat/weights.bin", "404", "cannot download the weights: cannot fetch"),
+    ("artifacts/tiny_chat/weights.bin", "truncated", "weights file has 1000 bytes"),
+    ("artifacts/tiny_chat/tokenizer.json", "truncated", "cannot load the tokenizer"),
+    ("artifacts/kernels/tiny_chat_rms_norm_f32.wgsl", "truncated", "WGSL of tiny_chat_rms_norm_f32 rejected"),
+])
+def test_a_broken_artifact_is_named_at_load(browser, server, path, fault, expected):
+    def break_it(tab):
+        def handle(route):
+            if fault == "404":
+                route.fulfill(status=404, body="not found")
+            else:
+                route.fulfill(status=200, body=route.fetch().body()[:1000])
+        tab.route(f"**/{path}", handle)
+
+    tab = chat_page(browser, server, break_it)
+    try:
+        error = tab.evaluate("window.demoState.error")
+        assert error and expected in error, error
+        assert "Traceback" not in tab.inner_text("#error")  # the message, not a Python traceback
+        if fault == "404":
+            assert "make setup" in error
+    finally:
+        tab.close()
+
+
+# -- stop, New chat and Send while a reply runs ------------------------------------------------------------
+def test_stop_during_prefill_keeps_the_message_in_the_box(tab):
+    tab.click("#new-chat")
+    long_text = " ".join(f"word{i}" for i in range(600))  # over 2,000 tokens: nine prefill chunks
+    send(tab, long_text, 8)
+    tab.wait_for_function("() => window.demoState.prefill && window.demoState.prefill.done >= 256",
+                          timeout=REPLY_TIMEOUT_MS)
+    tab.click("#stop")
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+    assert tab.evaluate("window.demoState.lastReply.stop_reason") == "stopped during prefill"
+    assert tab.input_value("#prompt") == long_text
+    assert "Stopped before the first token" in tab.inner_text("#chat-error")
+    assert tab.locator(".msg").count() == 0 and history(tab) == []
+
+
+def test_send_during_a_reply_is_ignored_and_new_chat_stops_it(tab):
+    tab.click("#new-chat")
+    send(tab, "Tell me a long story.", 300)
+    wait_decode_steps(tab, 2)
+    assert tab.is_disabled("#send")
+    tab.fill("#prompt", "a second message while the first streams")
+    tab.press("#prompt", "Enter")
+    assert tab.locator(".msg.user").count() == 1  # no second turn started
+    assert tab.input_value("#prompt") == "a second message while the first streams"
+    tab.click("#new-chat")  # stops the reply, then clears
+    tab.wait_for_function("() => !window.demoState.busy && document.querySelectorAll('.msg').length === 0",
+                          timeout=REPLY_TIMEOUT_MS)
+    assert history(tab) == []
+    assert tab.input_value("#prompt") == "a second message while the first streams"
+
+
+def test_twenty_turns_keep_gpu_buffers_and_step_time_flat(tab):
+    """20 turns as 4 conversations of 5 (New chat between them): SwiftShader re-prefills the whole
+    conversation every turn, so one 20-turn conversation takes minutes here. test_faults.py runs
+    20 turns of one conversation natively."""
+    # One nest throughout: past 256 tokens `auto` would add the sharded nest's decode plan (once).
+    tab.select_option("#attention", "tiled")
+    live, step_ms = [], []
+    for turn in range(20):
+        if turn % 5 == 0:
+            tab.click("#new-chat")
+        send(tab, f"Turn {turn}: say something.", 4)
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+        live.append(tab.evaluate("window.demo.session.device.live_buffers"))
+        steps = tab.evaluate("window.demoState.steps.filter(s => s.kind === 'decode').slice(-3).map(s => s.step_ms)")
+        step_ms.append(sorted(steps)[len(steps) // 2])
+    tab.select_option("#attention", "auto")
+    assert len(history(tab)) == 10
+    assert len(set(live[1:])) == 1, f"live GPU buffers after each turn: {live}"
+    early, late = sorted(step_ms[1:6])[2], sorted(step_ms[-5:])[2]
+    assert late < 2 * early + 20, f"decode step ms grew from {early:.1f} to {late:.1f}: {step_ms}"
+
+
+# -- the GPU device lost in the middle of a reply ---------------------------------------------------------------
+def test_device_lost_mid_reply_keeps_the_conversation_and_reloads(tab):
+    tab.click("#new-chat")
+    send(tab, "First question", 3)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+    before = history(tab)
+    send(tab, "Second question, interrupted", 300)
+    wait_decode_steps(tab, len(tab.evaluate("window.demoState.steps")) // 2 + 3)
+    tab.evaluate("window.demo.session.device.js_device.destroy()")
+    tab.wait_for_function("() => window.demoState.deviceLost && !window.demoState.busy", timeout=REPLY_TIMEOUT_MS)
+    assert tab.is_visible("#device-lost")
+    assert "GPU device was lost" in tab.inner_text("#device-lost-text")
+    assert tab.is_disabled("#send")
+    # everything shown stays: both user messages, the first reply and the partial second one
+    assert tab.locator(".msg.user").count() == 2
+    assert tab.locator(".msg.assistant.interrupted").count() == 1
+    assert tab.input_value("#prompt") == "Second question, interrupted"
+    tab.click("#reload-model")
+    tab.wait_for_function("() => window.demoState.deviceLost === null", timeout=LOAD_TIMEOUT_MS)
+    assert history(tab) == before  # the completed turns carried over to the new device
+    send(tab, "Third question", 3)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+    assert len(history(tab)) == len(before) + 2
