@@ -18,8 +18,11 @@ class AttentionShape:
 # The benchmark's shapes: D=64 8/32, D=128 8/32 (Llama-3.1-8B), D=256 4/8; SmolLM2: 3/9.
 BENCH_SHAPES = [AttentionShape(8, 32, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)]
 MODEL_SHAPES = [AttentionShape(3, 9, 64), AttentionShape(2, 4, 64), AttentionShape(1, 2, 64)]  # SmolLM2, tiny_*
-# The test grid: every head_dim with GQA groups 1, 3, 4, 8 (small head counts keep lavapipe fast).
-TEST_SHAPES = [AttentionShape(kv, kv * group, d) for d in (64, 128, 256) for kv, group in ((2, 1), (1, 3), (1, 4), (1, 8))]
+# The test grid: every head_dim with every GQA group 1-8 (one KV head keeps lavapipe fast; group 1
+# with two). TVM's tiled kernel is wrong at head_dim 256 with groups 5 and 7 (see
+# kernels.decode_attention.tiled_query_heads_computed); the tests check that the build marks it.
+TEST_SHAPES = [AttentionShape(2 if group == 1 else 1, (2 if group == 1 else 1) * group, d)
+               for d in (64, 128, 256) for group in range(1, 9)]
 # Sliding-window variants (tests): GQA group 4 for each head_dim.
 WINDOW_SHAPES = [AttentionShape(1, 4, d) for d in (64, 128, 256)]
 

@@ -14,7 +14,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from model_glue.attention import pick_decode_nest
+from model_glue.attention import pick_decode_nest, tiled_defect
 from model_glue.kernel import unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
@@ -139,6 +139,7 @@ class LlamaModel:
         self._decode_plans: dict[str, list] = {}
         self._stamps = None
         self.stats: list[StepStats] = []
+        self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -183,6 +184,7 @@ class LlamaModel:
                 raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
             weights[name] = device.storage_buffer(t["nbytes"], data)
         model = cls(device, library, config, weights, dtype, tag)
+        model.tiled_defect = tiled_defect(library.specs[names["tiled"]])
         progress("compiling kernels")
         for role, name in names.items():
             if role in ATTENTION_NESTS:
@@ -242,7 +244,10 @@ class LlamaModel:
         start = self.kv.length
         slots = self.kv.reserve(n)
         contexts = [start + i + 1 for i in range(n)]  # causal: token i sees the prefix through itself
-        nest = pick_decode_nest([contexts[-1]], attention)
+        try:
+            nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
+        except ValueError as err:
+            raise ModelError(str(err)) from err
         indptr, page_ids, last_len = self.kv.page_table(contexts)
         dev, buf = self.device, self.buffers
         dev.write(buf["ids"], array("i", token_ids).tobytes())
