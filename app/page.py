@@ -31,11 +31,6 @@ class Session:
         library = await KernelLibrary.load(device, read_text)
         return cls(device, library)
 
-    @property
-    def dtype(self) -> str:
-        """f16 kernels where the adapter can run them, f32 otherwise (e.g. SwiftShader)."""
-        return "float16" if self.device.has_f16 else "float32"
-
     async def run_probe(self, seed: int = 0) -> dict:
         """Row sums through the TVM-built probe kernel, checked against Python's own sums."""
         rng = random.Random(seed)
@@ -64,7 +59,7 @@ class Session:
         import asyncio
 
         wanted = [n for n in (names or list(self.library.specs))
-                  if self.device.has_f16 or self.library.specs[n]["meta"].get("dtype") != "float16"]
+                  if self.device.has_f16 or self.library.specs[n].meta.get("dtype") != "float16"]
         results = await asyncio.gather(*(self.library.kernel(n) for n in wanted), return_exceptions=True)
         return {n: str(r) for n, r in zip(wanted, results) if isinstance(r, Exception)}
 

@@ -4,13 +4,18 @@ TVM's WGSL codegen binds the device kernel's handle parameters as storage buffer
 order, then one uniform struct `PODArgs` holding the scalar parameters (4 bytes each) followed by
 `packGridDimX: u32`. The launch extents (grid and workgroup size) are `thread_extent` attributes in
 the kernel body, written in terms of the same scalar variables. This module turns all of that into
-plain JSON so the runtime can dispatch without TVM and without parsing WGSL.
+one `KernelSpec` (model_glue.contract documents its fields), the manifest entry the runtime
+dispatches from without TVM and without parsing WGSL.
 """
 
 from __future__ import annotations
 
+import re
+
 import tvm
 from tvm import tirx
+
+from model_glue.contract import BufferSpec, KernelSpec
 
 # JSON expression trees: an int, a variable name, or [op, lhs, rhs].
 _BINARY_OPS = {
@@ -80,7 +85,7 @@ def thread_extents(stmt) -> dict[str, object]:
     return found
 
 
-def device_kernel_abi(func: tirx.PrimFunc) -> dict:
+def _device_kernel_abi(func: tirx.PrimFunc) -> dict:
     """ABI of one lowered device kernel: bindings, PODArgs, workgroup size and grid."""
     handles, pods = [], []
     for param in func.params:
@@ -103,3 +108,52 @@ def device_kernel_abi(func: tirx.PrimFunc) -> dict:
     if "blockIdx.z" in extents:
         raise ValueError("blockIdx.z is reserved by TVM's WGSL codegen for packing wide grids")
     return {"handles": handles, "pod": pods, "workgroup_size": workgroup_size, "grid": grid}
+
+
+# What the WGSL declares, read at build time only (the runtime never parses WGSL).
+_WGSL_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
+_BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
+_WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|(\w+)), (\d+)>")
+_POD_STRUCT_RE = re.compile(r"struct PODArgs \{(.*?)\}", re.S)
+
+
+def workgroup_storage_bytes(wgsl: str) -> int:
+    """Bytes of `var<workgroup>` arrays declared in a WGSL module."""
+    total = 0
+    for _name, lanes, vec_elem, scalar_elem, count in _WORKGROUP_RE.findall(wgsl):
+        elem_bytes = _WGSL_SCALAR_BYTES[vec_elem or scalar_elem] * int(lanes or 1)
+        total += elem_bytes * int(count)
+    return total
+
+
+def pod_struct_fields(wgsl: str) -> list[tuple[str, str]]:
+    """(name, type) of the PODArgs uniform struct, as the WGSL declares it."""
+    match = _POD_STRUCT_RE.search(wgsl)
+    if match is None:
+        return []
+    fields = [line.strip().rstrip(",") for line in match.group(1).splitlines() if line.strip()]
+    return [tuple(part.strip() for part in field.split(":")) for field in fields]
+
+
+def kernel_spec(name: str, func: tirx.PrimFunc, entry: str, kernel: tirx.PrimFunc, wgsl: str,
+                meta: dict) -> KernelSpec:
+    """The manifest entry of `func`, from its lowered device `kernel` and the WGSL emitted for it."""
+    abi = _device_kernel_abi(kernel)
+    declared = {int(i): (mode, elem) for i, mode, _var, elem in _BINDING_RE.findall(wgsl)}
+    originals = {p.name: p for p in func.params if isinstance(p.ty, tirx.BufferType)}
+    buffers = []
+    for index, handle in enumerate(abi["handles"]):
+        mode, elem = declared[index]
+        buf = originals[handle[: -len("_ptr")] if handle.endswith("_ptr") else handle]
+        buffers.append(BufferSpec(binding=index, name=buf.name, access=mode, dtype=str(buf.dtype), wgsl_type=elem,
+                                  shape=[expr_to_json(dim) for dim in buf.shape]))
+    # TVM narrows 64-bit scalars (element offsets) to i32 in WGSL: the struct is the authority.
+    struct = pod_struct_fields(wgsl)
+    if [field for field, _ in struct] != [p["name"] for p in abi["pod"]] + ["packGridDimX"]:
+        raise ValueError(f"{name}: PODArgs {struct} do not match the kernel's scalar parameters {abi['pod']}")
+    return KernelSpec(
+        name=name, entry=entry, wgsl=f"{name}.wgsl", buffers=buffers,
+        pod=[{"name": field, "type": wgsl_type} for field, wgsl_type in struct[:-1]],
+        workgroup_size=abi["workgroup_size"], grid=abi["grid"],
+        workgroup_storage_bytes=workgroup_storage_bytes(wgsl), barriers=wgsl.count("workgroupBarrier()"),
+        meta=dict(meta))

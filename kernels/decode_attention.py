@@ -54,8 +54,9 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-PAGE_SIZE = 16
-WORKGROUP_INVOCATIONS = 256
+from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
+from model_glue.contract import PAGE_SIZE
+
 LANE_DIMS = 64  # q and O dims each lane keeps in registers
 LOG2_E = math.log2(math.e)
 MASKED_SCORE = -5e4  # TVM's initial max; exp2(-5e4 - m) underflows to 0 for any real score
@@ -72,7 +73,7 @@ def decode_attention_tiled(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_
     return _attention_decode(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, {}, _WEBGPU, page_size)
 
 
-def tiled_query_heads_computed(abi: dict, num_kv_heads: int) -> int:
+def tiled_query_heads_computed(spec, num_kv_heads: int) -> int:
     """Query heads per KV head that TVM's tiled kernel actually computes, read from its launch.
 
     It spreads a KV head's GROUP query heads over threadIdx.y (bdy) x blockIdx.y (gdz = GROUP // bdy,
@@ -82,8 +83,8 @@ def tiled_query_heads_computed(abi: dict, num_kv_heads: int) -> int:
     this in the manifest so the host never runs the kernel for such a shape; the reproducer for
     TVM's maintainers is docs/tvm_tiled_gqa_repro.py.
     """
-    bdy = abi["workgroup_size"][1]
-    grid_y = abi["grid"][1]
+    bdy = spec.workgroup_size[1]
+    grid_y = spec.grid[1]
     if not isinstance(grid_y, int):
         raise ValueError(f"tiled decode kernel with a symbolic grid y: {grid_y}")
     return bdy * (grid_y // num_kv_heads)

@@ -1,6 +1,6 @@
 """TIR kernels for a Llama-shaped model with 4-bit weights (every kernel but attention).
 
-Weights use the artifact's packing (model_glue.convert): a Q4 matrix W[out, in] is `q4` u32
+Weights use the artifact's packing (convert/weights.py): a Q4 matrix W[out, in] is `q4` u32
 [out, in/8] (element 8w+k in bits 4k..4k+3 of word w), `scale` and `min` f32 [out, in/32]
 (value = q * scale + min); the Q8 embedding is `q8` u32 [vocab, dim/4] (signed bytes) and
 `scale` f32 [vocab, dim/32]. Activations are `dtype` (f16 where the adapter has shader-f16, f32
@@ -12,6 +12,8 @@ Each builder takes the shape parameters and returns one PrimFunc; `n` (tokens) i
 from __future__ import annotations
 
 from tvm.script import tirx as T
+
+from model_glue.contract import PAGE_SIZE
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -164,7 +166,8 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
     return matmul
 
 
-def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str, page_size: int = 16):
+def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str,
+                    page_size: int = PAGE_SIZE):
     """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
 
     qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].

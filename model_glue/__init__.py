@@ -1,6 +1,7 @@
-"""Run-time side: the WebGPU seam, kernel dispatch from the manifest, the model and its tokenizer.
+"""Run side: the build/run contract, the WebGPU seam, kernel dispatch from the manifest, the model
+and its tokenizer.
 
-The run path (webgpu, kernel, artifact, attention, model, tokenizer) imports neither tvm nor
-numpy: the same code runs in Pyodide and natively. `convert` and `tokenizer_export` are the host's
-build steps that make the model artifact (numpy, gguf, HF tokenizers); the browser never imports them.
+Every module here imports only the standard library (plus Pyodide's `js` or wgpu-py inside the
+WebGPU seam): the same code runs in Pyodide and natively. The build side (kernels/, convert/)
+imports `model_glue.contract` and nothing else from here.
 """

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from model_glue.contract import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
 from model_glue.kernel import Kernel
-
-MANIFEST = "manifest.json"
-SUPPORTED_FORMAT = 1
 
 
 class ArtifactError(RuntimeError):
@@ -67,12 +65,11 @@ class KernelLibrary:
     """Kernels of one artifact folder, compiled on first use and cached by name."""
 
     def __init__(self, device, manifest: dict, read_text):
-        if manifest.get("format") != SUPPORTED_FORMAT:
-            raise ArtifactError(f"kernel manifest format {manifest.get('format')!r}, expected {SUPPORTED_FORMAT}"
+        if manifest.get("format") != KERNEL_ARTIFACT_FORMAT:
+            raise ArtifactError(f"kernel manifest format {manifest.get('format')!r}, expected {KERNEL_ARTIFACT_FORMAT}"
                                 " (rebuild with `python -m app build`)")
         self.device = device
-        self.manifest = manifest
-        self.specs = manifest["kernels"]
+        self.specs = {name: KernelSpec.from_json(entry) for name, entry in manifest["kernels"].items()}
         self._read_text = read_text
         self._compiled: dict[str, Kernel] = {}
 
@@ -92,7 +89,7 @@ class KernelLibrary:
 
     def names(self, **meta) -> list[str]:
         """Kernel names whose meta matches every given key."""
-        return [n for n, s in self.specs.items() if all(s["meta"].get(k) == v for k, v in meta.items())]
+        return [n for n, s in self.specs.items() if all(s.meta.get(k) == v for k, v in meta.items())]
 
     async def kernel(self, name: str) -> Kernel:
         if name not in self._compiled:
@@ -100,7 +97,7 @@ class KernelLibrary:
                 raise ArtifactError(f"kernel {name!r} is not in this artifact")
             spec = self.specs[name]
             try:
-                wgsl = await self._read_text(spec["wgsl"])
+                wgsl = await self._read_text(spec.wgsl)
             except OSError as err:
                 raise ArtifactError(f"kernel {name}: {err}") from err
             self._compiled[name] = await Kernel.compile(self.device, spec, wgsl)

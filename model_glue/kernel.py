@@ -1,8 +1,8 @@
-"""Dispatch a TVM-built WGSL kernel from its manifest entry (see kernels.build for how it is made).
+"""Dispatch a TVM-built WGSL kernel from its manifest entry (model_glue.contract.KernelSpec).
 
-The manifest gives, per kernel: storage buffers in binding order, the PODArgs fields (4 bytes each,
-then `packGridDimX: u32`), the workgroup size, and the grid as small expression trees over the
-kernel's shape variables and scalars. Nothing here reads WGSL beyond handing it to the compiler.
+The entry gives storage buffers in binding order, the PODArgs fields (4 bytes each, then
+`packGridDimX: u32`), the workgroup size, and the grid as small expression trees over the kernel's
+shape variables and scalars. Nothing here reads WGSL beyond handing it to the compiler.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _OPS = {
     "max": max,
 }
 
+from model_glue.contract import KernelSpec
 from model_glue.webgpu import AdapterLimitError
 
 
@@ -39,47 +40,47 @@ def evaluate(expr, values: dict[str, float]):
     return _OPS[op](evaluate(lhs, values), evaluate(rhs, values))
 
 
-def unmet_limits(spec: dict, limits: dict[str, int]) -> list[str]:
+def unmet_limits(spec: KernelSpec, limits: dict[str, int]) -> list[str]:
     """What one kernel needs (from its manifest entry) beyond the device's limits, in words."""
-    size = spec["workgroup_size"]
+    size = spec.workgroup_size
     needs = [
-        ("maxStorageBuffersPerShaderStage", len(spec["buffers"]), "storage buffers it binds"),
-        ("maxComputeInvocationsPerWorkgroup", size[0] * size[1] * size[2], "invocations per workgroup"),
-        ("maxComputeWorkgroupStorageSize", spec["workgroup_storage_bytes"], "bytes of workgroup storage"),
+        ("maxStorageBuffersPerShaderStage", len(spec.buffers), "storage buffers it binds"),
+        ("maxComputeInvocationsPerWorkgroup", spec.invocations, "invocations per workgroup"),
+        ("maxComputeWorkgroupStorageSize", spec.workgroup_storage_bytes, "bytes of workgroup storage"),
         ("maxComputeWorkgroupSizeX", size[0], "workgroup size in x"),
         ("maxComputeWorkgroupSizeY", size[1], "workgroup size in y"),
         ("maxComputeWorkgroupSizeZ", size[2], "workgroup size in z"),
     ]
-    return [f"{limit} is {limits[limit]} on this adapter, but kernel {spec['name']} needs {need} ({what})"
+    return [f"{limit} is {limits[limit]} on this adapter, but kernel {spec.name} needs {need} ({what})"
             for limit, need, what in needs if limit in limits and need > limits[limit]]
 
 
 class Kernel:
     """A compiled pipeline plus the ABI needed to bind and launch it."""
 
-    def __init__(self, device, spec: dict, pipeline):
+    def __init__(self, device, spec: KernelSpec, pipeline):
         self.device = device
         self.spec = spec
-        self.name = spec["name"]
+        self.name = spec.name
         self.pipeline = pipeline
-        self.buffer_names = [b["name"] for b in spec["buffers"]]
+        self.buffer_names = spec.buffer_names
 
     @classmethod
-    async def compile(cls, device, spec: dict, wgsl: str) -> "Kernel":
+    async def compile(cls, device, spec: KernelSpec, wgsl: str) -> "Kernel":
         unmet = unmet_limits(spec, device.limits)
         if unmet:
             raise AdapterLimitError("this GPU adapter's limits are too low: " + "; ".join(unmet))
-        pipeline = await device.compute_pipeline(wgsl, spec["entry"], spec["name"])
+        pipeline = await device.compute_pipeline(wgsl, spec.entry, spec.name)
         return cls(device, spec, pipeline)
 
     def pod_bytes(self, values: dict[str, float], grid_x: int) -> bytes:
         packed = b"".join(
-            struct.pack("<" + _POD_FORMAT[f["type"]], evaluate(f["name"], values)) for f in self.spec["pod"]
+            struct.pack("<" + _POD_FORMAT[f["type"]], evaluate(f["name"], values)) for f in self.spec.pod
         )
         return packed + struct.pack("<I", grid_x)
 
     def grid(self, values: dict[str, float]) -> tuple[int, int, int]:
-        x, y = (int(evaluate(e, values)) for e in self.spec["grid"])
+        x, y = (int(evaluate(e, values)) for e in self.spec.grid)
         # TVM would pack a wider grid into z; we never launch one.
         most = self.device.limits.get("maxComputeWorkgroupsPerDimension", 65535)
         if x > most or y > most:
@@ -88,10 +89,15 @@ class Kernel:
         return (x, y, 1)
 
     def bind(self, buffers: dict, values: dict[str, float]) -> "BoundKernel":
-        """Bind named GPU buffers and scalar/shape values; the result can be dispatched repeatedly."""
-        missing = [n for n in self.buffer_names if n not in buffers]
-        if missing:
-            raise KeyError(f"{self.name}: missing buffers {missing}")
+        """Bind named GPU buffers and scalar/shape values; the result can be dispatched repeatedly.
+
+        `buffers` must name exactly the buffers the kernel declares: a missing one cannot be
+        bound, and an extra one means the caller and the kernel disagree on the contract.
+        """
+        if buffers.keys() != set(self.buffer_names):
+            missing = sorted(set(self.buffer_names) - buffers.keys())
+            extra = sorted(buffers.keys() - set(self.buffer_names))
+            raise KeyError(f"{self.name} declares buffers {self.buffer_names}; missing {missing}, not declared {extra}")
         grid = self.grid(values)
         uniform = self.device.uniform_buffer(self.pod_bytes(values, grid[0]))
         ordered = [buffers[n] for n in self.buffer_names] + [uniform]
@@ -120,3 +126,61 @@ class BoundKernel:
     def release_after(self, batch) -> None:
         """A one-shot binding: its uniform is freed once `batch` is submitted."""
         batch.release_after_submit(self.uniform)
+
+
+class StaleBindingError(RuntimeError):
+    """A replayed binding would run a kernel with values from an earlier step."""
+
+
+class _PlanEntry:
+    def __init__(self, bound: BoundKernel, values: dict, per_step: bool):
+        self.bound = bound
+        self.values = dict(values)
+        self.per_step = per_step
+
+
+class DispatchPlan:
+    """Bound kernels of a pass that repeats (a decode step), replayed in the same order each time.
+
+    Each entry is bound once, with the buffers and values of its first use. An entry declared
+    `per_step` (decode attention: the context grows every step) has its uniform rewritten when its
+    values change; for any other entry a change of values is an error, since replaying its binding
+    would silently run it with the old ones. Buffers are fixed for the plan's life: whoever
+    reallocates a buffer drops the plan (`release`).
+    """
+
+    def __init__(self):
+        self.entries: list[_PlanEntry] = []
+        self._cursor = 0
+
+    def start(self) -> None:
+        """A new pass: replay from the first entry."""
+        self._cursor = 0
+
+    def dispatch(self, batch, kernel: Kernel, buffers: dict, values: dict, *, per_step: bool = False,
+                 timestamps=None) -> None:
+        index = self._cursor
+        self._cursor += 1
+        if index == len(self.entries):
+            self.entries.append(_PlanEntry(kernel.bind(buffers, values), values, per_step))
+        entry = self.entries[index]
+        if entry.bound.kernel is not kernel or entry.per_step != per_step:
+            raise StaleBindingError(f"dispatch {index} of the plan was {entry.bound.kernel.name}, now {kernel.name}: "
+                                    "a repeated pass must dispatch the same kernels in the same order")
+        if values != entry.values:
+            if not per_step:
+                changed = sorted(k for k in values.keys() | entry.values.keys() if values.get(k) != entry.values.get(k))
+                raise StaleBindingError(f"{kernel.name}: values {changed} changed between steps, but it is not "
+                                        "declared per_step, so its binding would replay the old ones")
+            entry.bound.update(values)
+            entry.values = dict(values)
+        entry.bound.dispatch(batch, timestamps)
+
+    @property
+    def per_step_kernels(self) -> list[str]:
+        return [e.bound.kernel.name for e in self.entries if e.per_step]
+
+    def release(self) -> None:
+        for entry in self.entries:
+            entry.bound.release()
+        self.entries.clear()

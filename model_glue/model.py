@@ -14,46 +14,20 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from model_glue.attention import pick_decode_nest, tiled_defect
-from model_glue.kernel import unmet_limits
+from model_glue.attention import attention_call, pick_decode_nest, tiled_defect
+from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND,
+                                 MODEL_CONFIGS, NESTS, PAGE_SIZE, LlamaConfig, attention_kernel_name,
+                                 model_kernel_name)
+from model_glue.kernel import DispatchPlan, unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
-PAGE_SIZE = 16
 MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
 STOPPED_BY_USER = "stopped by user"
 STOPPED_IN_PREFILL = "stopped during prefill"
-WEIGHTS_FORMAT = 1
 
 
 class ModelError(RuntimeError):
     """A problem with the model artifact or a request, in words a user can act on."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float
-    rms_eps: float
-    max_context: int = 8192
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-    @property
-    def qkv_dim(self) -> int:
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-    def matches(self, kernel_config: dict) -> bool:
-        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
-        return all(kernel_config.get(k) == getattr(self, k) for k in keys) and \
-            abs(kernel_config.get("rope_theta", 0) - self.rope_theta) < 1e-6 * self.rope_theta
 
 
 @dataclass
@@ -121,22 +95,22 @@ class PagedKVCache:
 class LlamaModel:
     """Weights on the GPU plus the kernels and scratch buffers of one model."""
 
-    def __init__(self, device, library, config: LlamaConfig, weights: dict, dtype: str, tag: str):
+    def __init__(self, device, library, config: LlamaConfig, weights: dict, dtype: str, config_name: str):
         self.device = device
         self.library = library
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.tag = tag
-        self.esize = 2 if dtype == "float16" else 4
+        self.config_name = config_name
+        self.esize = DTYPE_BYTES[dtype]
         self.kv = PagedKVCache(device, config, self.esize)
         self.kernels: dict = {}
         self.attention: dict = {}
         self._scratch_tokens = 0
         self.buffers: dict = {}
         # Decode passes (n = 1) dispatch the same kernels on the same buffers every step: their
-        # bind groups are made once per nest and only attention's uniform changes per step.
-        self._decode_plans: dict[str, list] = {}
+        # bind groups are made once per nest, and only attention's values change per step.
+        self._decode_plans: dict[str, DispatchPlan] = {}
         self._stamps = None
         self.stats: list[StepStats] = []
         self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
@@ -147,21 +121,20 @@ class LlamaModel:
                    dtype: str | None = None, progress=lambda message: None) -> "LlamaModel":
         """Load a converted artifact (manifest.json + weights.bin) through async readers."""
         try:
-            manifest = json.loads(await read_text("manifest.json"))
+            manifest = json.loads(await read_text(MANIFEST))
         except (OSError, ValueError) as err:
             raise ModelError(f"cannot read the model manifest: {err}") from err
-        if manifest.get("format") != WEIGHTS_FORMAT or manifest.get("kind") != "llama-q4":
-            raise ModelError(f"unsupported model artifact {manifest.get('kind')!r} v{manifest.get('format')}")
-        cfg = dict(manifest["config"])
-        if max_context:
-            cfg["max_context"] = min(max_context, cfg.get("max_context", max_context))
-        config = LlamaConfig.from_dict(cfg)
+        if manifest.get("format") != MODEL_ARTIFACT_FORMAT or manifest.get("kind") != MODEL_ARTIFACT_KIND:
+            raise ModelError(f"unsupported model artifact {manifest.get('kind')!r} v{manifest.get('format')} "
+                             f"(this runtime reads {MODEL_ARTIFACT_KIND!r} v{MODEL_ARTIFACT_FORMAT}): re-convert it "
+                             "with `make setup`")
+        config_name = manifest.get("config_name")
+        config = _checked_config(config_name, manifest["config"], max_context)
         dtype = dtype or ("float16" if device.has_f16 else "float32")
         if dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
-        tag = _find_kernel_tag(library, config, dtype)
-        names = _kernel_names(library, config, dtype, tag)
-        esize = 2 if dtype == "float16" else 4
+        names = _kernel_names(library, config_name, config, dtype)
+        esize = DTYPE_BYTES[dtype]
         _check_limits(device, library, names.values(), {
             "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
@@ -183,11 +156,11 @@ class LlamaModel:
             if hashlib.sha256(data).hexdigest() != t["sha256"]:
                 raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
             weights[name] = device.storage_buffer(t["nbytes"], data)
-        model = cls(device, library, config, weights, dtype, tag)
+        model = cls(device, library, config, weights, dtype, config_name)
         model.tiled_defect = tiled_defect(library.specs[names["tiled"]])
         progress("compiling kernels")
         for role, name in names.items():
-            if role in ATTENTION_NESTS:
+            if role in NESTS:
                 model.attention[role] = await library.kernel(name)
             else:
                 model.kernels[role] = await library.kernel(name)
@@ -219,8 +192,7 @@ class LlamaModel:
                 dev.destroy(self.buffers[name])  # passes already submitted keep it alive until done
             self.buffers[name] = dev.storage_buffer(size)
         for plan in self._decode_plans.values():  # they bound the old buffers
-            for bound in plan:
-                bound.release()
+            plan.release()
         self._decode_plans.clear()
         for name, size in {"last": e * c.dim, "last_normed": e * c.dim, "logits": 4 * c.vocab_size,
                            "next_id": 4}.items():
@@ -280,21 +252,17 @@ class LlamaModel:
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
         tokens = {"n": n}
-        plan = self._decode_plans.setdefault(nest, []) if n == 1 else None
-        position = iter(range(10**9))
+        plan = self._decode_plans.setdefault(nest, DispatchPlan()) if n == 1 else None
+        if plan is not None:
+            plan.start()
 
-        def run(kernel, buffers, values=tokens, timestamps=None):
-            if plan is None:
-                bound = kernel.bind(buffers, values)
-                bound.dispatch(batch, timestamps)
-                bound.release_after(batch)
+        def run(kernel, buffers, values=tokens, timestamps=None, per_step=False):
+            if plan is not None:
+                plan.dispatch(batch, kernel, buffers, values, per_step=per_step, timestamps=timestamps)
                 return
-            i = next(position)
-            if i == len(plan):
-                plan.append(kernel.bind(buffers, values))
-            elif kernel is self.attention[nest]:
-                plan[i].update(values)  # the context grows every step
-            plan[i].dispatch(batch, timestamps)
+            bound = kernel.bind(buffers, values)  # a prefill pass: its own shapes, bound once
+            bound.dispatch(batch, timestamps)
+            bound.release_after(batch)
 
         def matmul(role, name, x, y, resid=None):
             buffers = {"x": x, "w": w[f"{name}.q4"], "scale": w[f"{name}.scale"], "wmin": w[f"{name}.min"], "y": y}
@@ -302,8 +270,6 @@ class LlamaModel:
                 buffers["resid"] = resid
             run(k[f"{role}_{phase}"], buffers)
 
-        attn_values = {"B": n, "nnz_pages": nnz_pages, "max_num_pages": self.kv.num_pages, "rotary_mode": 0,
-                       "rope_scale": 1.0, "rope_theta": c.rope_theta, "sm_scale": c.head_dim ** -0.5}
         x, x_mid = buf["x_a"], buf["x_b"]
         run(k["embed"], {"ids": buf["ids"], "q8": w["embed.q8"], "scale": w["embed.scale"], "out": x})
         for layer in range(c.n_layers):
@@ -314,12 +280,15 @@ class LlamaModel:
             matmul("qkv", f"{p}.qkv", buf["normed"], buf["qkv"])
             run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
                                    "pages": pages, "q": buf["q"]}, {"n": n, "num_pages": self.kv.num_pages})
-            run(self.attention[nest],
-                {"Q": buf["q"], "pages": pages, "page_table_indptr": buf["indptr"],
-                 "page_table_values": buf["page_ids"], "length_info": buf["last_len"],
-                 "k_rope_pos_offset": buf["zeros"], "q_rope_position": buf["zeros"],
-                 "output": buf["attn"], "lse": buf["lse"]},
-                attn_values, None if stamps is None else (stamps, 2 * layer, 2 * layer + 1))
+            # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
+            # The page table grows with the context: attention's values change every step.
+            attn_buffers, attn_values = attention_call(
+                q=buf["q"], pages=pages, page_table_indptr=buf["indptr"], page_table_values=buf["page_ids"],
+                length_info=buf["last_len"], k_rope_pos_offset=buf["zeros"], q_rope_position=buf["zeros"],
+                output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
+                max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta)
+            run(self.attention[nest], attn_buffers, attn_values,
+                None if stamps is None else (stamps, 2 * layer, 2 * layer + 1), per_step=True)
             matmul("o", f"{p}.o", buf["attn"], x_mid, resid=x)
             # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
             run(k["rms_norm"], {"x": x_mid, "weight": w[f"{p}.ffn_norm"], "out": buf["normed"]})
@@ -342,24 +311,28 @@ class LlamaModel:
         return await self.device.read(self.buffers["logits"], 4 * self.config.vocab_size)
 
 
-LLAMA_ROLES = ("embed", "rms_norm", "rope_append", "swiglu", "lm_head", "argmax",
-               "qkv_decode", "o_decode", "gate_up_decode", "down_decode",
-               "qkv_prefill", "o_prefill", "gate_up_prefill", "down_prefill")
-ATTENTION_NESTS = ("tiled", "sharded")
+def _checked_config(config_name: str | None, values: dict, max_context: int | None) -> LlamaConfig:
+    """The artifact's config, which must be the contract's config of that name (the kernels' shapes)."""
+    if config_name not in MODEL_CONFIGS:
+        raise ModelError(f"the model artifact is for config {config_name!r}, which has no kernels here "
+                         f"(known: {sorted(MODEL_CONFIGS)}); add it to model_glue/contract.py and rebuild")
+    config = LlamaConfig.from_dict(values)
+    if config.kernel_shape() != MODEL_CONFIGS[config_name].kernel_shape():
+        raise ModelError(f"the model artifact's {config_name!r} config differs from the contract's; "
+                         "re-convert it with `make setup`")
+    if max_context:
+        config = LlamaConfig.from_dict({**values, "max_context": min(max_context, config.max_context)})
+    return config
 
 
-def _kernel_names(library, config: LlamaConfig, dtype: str, tag: str) -> dict[str, str]:
-    """Artifact kernel name of every role the forward pass runs, attention nests included."""
-    names = {}
-    for role in LLAMA_ROLES:
-        (names[role],) = library.names(kind="llama", model=tag, role=role, dtype=dtype)
-    for nest in ATTENTION_NESTS:
-        found = library.names(kind="decode_attention", nest=nest, head_dim=config.head_dim,
-                              num_kv_heads=config.n_kv_heads, num_qo_heads=config.n_heads,
-                              dtype=dtype, sliding_window=False)
-        if not found:
-            raise ModelError(f"the kernel artifact has no {nest} attention for this model's shape")
-        names[nest] = found[0]
+def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) -> dict[str, str]:
+    """Artifact kernel name of every role the forward pass runs, the attention nests included."""
+    names = {role: model_kernel_name(config_name, role, dtype) for role in LLAMA_ROLES}
+    names.update({nest: attention_kernel_name(nest, config.attention_shape, dtype, False) for nest in NESTS})
+    missing = sorted(name for name in names.values() if name not in library.specs)
+    if missing:
+        raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "
+                         "rebuild it with `python -m app build`")
     return names
 
 
@@ -374,14 +347,6 @@ def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -
                   for what, nbytes in buffer_bytes.items() if have is not None and nbytes > have]
     if unmet:
         raise AdapterLimitError("this GPU adapter's limits are too low for the model: " + "; ".join(unmet))
-
-
-def _find_kernel_tag(library, config: LlamaConfig, dtype: str) -> str:
-    for name in library.names(kind="llama", role="embed", dtype=dtype):
-        meta = library.specs[name]["meta"]
-        if config.matches(meta["config"]):
-            return meta["model"]
-    raise ModelError("the kernel artifact has no kernels for this model's shape; rebuild with `python -m app build`")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Run-time byte-level BPE tokenizer for SmolLM2, in pure standard-library Python.
 
 It runs in Pyodide as well as natively, so it cannot use `tokenizers`, numpy or the `regex` module.
-It reads the `tokenizer.json` that `model_glue.tokenizer_export` writes from the model GGUF and must
+It reads the `tokenizer.json` that `convert.tokenizer` writes from the model GGUF and must
 produce exactly the ids HF `tokenizers` produces for it (the tests check this):
 
 1. special tokens (`<|im_start|>` ...) are cut out of the text first and map to their ids;

@@ -219,7 +219,7 @@ async function compareNests(app) {
     $("compare-verdict").textContent = result.identical
       ? "Identical greedy text."
       : `Texts first differ at generated token ${result.first_divergence}.`;
-    const series = ["tiled", "sharded"].map((nest) => ({
+    const series = Object.keys(result.runs).map((nest) => ({
       stroke: COLORS[nest],
       points: result.runs[nest].stats.filter((s) => s.kind === "decode" && s.attention_ms !== null)
         .map((s) => ({ x: s.context, y: s.attention_ms, nest })),

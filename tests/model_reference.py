@@ -39,7 +39,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class ReferenceLlama:
-    """Llama decoder over the dense weight dict of `model_glue.convert.load_*_weights`."""
+    """Llama decoder over the dense weight dict of `convert.weights.load_*_weights`."""
 
     def __init__(self, config: dict, weights: dict[str, np.ndarray]):
         self.cfg = config

@@ -14,7 +14,8 @@ import pytest
 from conftest import open_page
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
-from kernels.shapes import AttentionShape, attention_kernel_name
+from model_glue.attention import attention_call
+from model_glue.contract import ATTENTION_OUTPUTS, NESTS, AttentionShape, attention_kernel_name
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -66,26 +67,24 @@ def _b64(array) -> str:
     return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
 
 
-@pytest.mark.parametrize("nest", ["tiled", "sharded"])
+@pytest.mark.parametrize("nest", NESTS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_in_chromium_matches_reference(page, head_dim, nest):
     shape = AttentionShape(1, 4, head_dim)
     rng = np.random.default_rng(head_dim)
     inputs = make_paged_inputs(rng, [17, 257, 1000], 1, 4, head_dim, "float32")
     batch, heads = 3, 4
-    args = {
-        "name": attention_kernel_name(nest, shape, "float32", False),
-        "buffers": {
-            "Q": _b64(inputs["q"].astype(np.float32)), "pages": _b64(inputs["pages"].astype(np.float32)),
-            "page_table_indptr": _b64(inputs["page_table_indptr"].astype(np.int32)),
-            "page_table_values": _b64(inputs["page_table_values"].astype(np.int32)),
-            "length_info": _b64(inputs["length_info"].astype(np.int32)),
-            "k_rope_pos_offset": _b64(np.zeros(batch, np.int32)), "q_rope_position": _b64(np.zeros(batch, np.int32)),
-        },
-        "values": {"B": batch, "nnz_pages": len(inputs["page_table_values"]), "max_num_pages": inputs["pages"].shape[0],
-                   "rotary_mode": 0, "rope_scale": 1.0, "rope_theta": 1e4, "sm_scale": float(inputs["sm_scale"])},
-        "outputs": {"output": batch * heads * head_dim * 4, "lse": batch * heads * 4},
-    }
+    as_i32 = lambda a: _b64(np.asarray(a, np.int32))
+    buffers, values = attention_call(
+        q=_b64(inputs["q"].astype(np.float32)), pages=_b64(inputs["pages"].astype(np.float32)),
+        page_table_indptr=as_i32(inputs["page_table_indptr"]), page_table_values=as_i32(inputs["page_table_values"]),
+        length_info=as_i32(inputs["length_info"]), k_rope_pos_offset=as_i32(np.zeros(batch)),
+        q_rope_position=as_i32(np.zeros(batch)), output=batch * heads * head_dim * 4, lse=batch * heads * 4,
+        batch=batch, nnz_pages=len(inputs["page_table_values"]), max_num_pages=inputs["pages"].shape[0],
+        sm_scale=float(inputs["sm_scale"]))
+    outputs = {name: buffers.pop(name) for name in ATTENTION_OUTPUTS}  # byte sizes to allocate
+    args = {"name": attention_kernel_name(nest, shape, "float32", False), "buffers": buffers, "values": values,
+            "outputs": outputs}
     result = page.evaluate(
         """async (a) => {
              const py = window.demo.pyodide;

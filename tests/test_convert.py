@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_glue.convert import (SMOLLM2_CONFIG, TINY_CONFIG, ConvertError, convert_gguf, load_artifact_weights,
-                                load_gguf_weights, pack_q4, pack_q8, write_random_artifact)
+from convert.weights import (ConvertError, convert_gguf, load_artifact_weights, load_gguf_weights, pack_q4, pack_q8,
+                             write_random_artifact)
+from model_glue.contract import MODEL_CONFIGS
 from model_reference import ReferenceLlama, hf_tokenizer_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def converted(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_artifact")
-    write_random_artifact(TINY_CONFIG, out, seed=0)
+    write_random_artifact("tiny_llama", out, seed=0)
     return out
 
 
@@ -86,7 +87,7 @@ def test_corrupted_byte_is_reported(tiny, tmp_path):
 
 def test_random_tiny_artifact_round_trips(tiny):
     cfg, w = load_artifact_weights(tiny)
-    c = TINY_CONFIG
+    c = MODEL_CONFIGS["tiny_llama"].to_dict()
     assert cfg == c
     q = c["n_heads"] * c["head_dim"]
     kv = c["n_kv_heads"] * c["head_dim"]
@@ -100,7 +101,7 @@ def test_random_tiny_artifact_round_trips(tiny):
     assert abs(float(np.mean(w["layers.0.qkv"]))) < 0.02        # mins ~ -8*scale centre it
     # the same seed gives the same bytes
     again = tiny.parent / "tiny_again"
-    assert write_random_artifact(TINY_CONFIG, again, seed=0)["tensors"] == \
+    assert write_random_artifact("tiny_llama", again, seed=0)["tensors"] == \
         json.loads((tiny / "manifest.json").read_text())["tensors"]
 
     # reference model: prefill then stepwise decode reproduces the one-shot logits
@@ -115,9 +116,9 @@ def test_random_tiny_artifact_round_trips(tiny):
 
 @needs_gguf
 def test_random_smollm2_shaped_artifact_matches_real_layout(converted, tmp_path):
-    synth = write_random_artifact(SMOLLM2_CONFIG, tmp_path, seed=1)
+    synth = write_random_artifact("smollm2_135m", tmp_path, seed=1)
     real = json.loads((converted / "manifest.json").read_text())
-    assert synth["config"] == real["config"]
+    assert synth["config"] == real["config"] and synth["config_name"] == real["config_name"] == "smollm2_135m"
     assert synth["total_bytes"] == real["total_bytes"]
     strip = lambda m: {n: (t["offset"], t["nbytes"], t["dtype"], t["shape"]) for n, t in m["tensors"].items()}
     assert strip(synth) == strip(real)
@@ -133,3 +134,9 @@ def test_reference_model_answers_golden_prompt():
     out = ReferenceLlama(cfg, weights).greedy(ids, max_new_tokens=12, stop_ids={im_end})
     assert out[-1] == im_end
     assert tok.decode(out[:-1]) == GOLDEN
+
+
+@needs_gguf
+def test_a_gguf_of_another_shape_than_its_config_is_refused(tmp_path):
+    with pytest.raises(ConvertError, match="the contract's 'tiny_llama'"):
+        convert_gguf(GGUF, tmp_path, config_name="tiny_llama", log=lambda s: None)

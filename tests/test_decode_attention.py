@@ -10,9 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from app.decode_harness import DecodeCall
+from app.bench.harness import DecodeCall
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
-from kernels.shapes import TEST_SHAPES, AttentionShape, attention_kernel_name
+from model_glue.contract import NESTS, TEST_SHAPES, AttentionShape, attention_kernel_name
 from model_glue.attention import TILED_MAX_CONTEXT, context_length, pick_decode_nest, tiled_defect
 
 CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 3060]
@@ -53,7 +53,7 @@ def check_against_reference(loop, gpu, library, name, inputs, dtype, tolerance=N
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("nest", ["tiled", "sharded"])
+@pytest.mark.parametrize("nest", NESTS)
 @pytest.mark.parametrize("shape", TEST_SHAPES, ids=lambda s: f"d{s.head_dim}_g{s.num_qo_heads // s.num_kv_heads}")
 def test_nest_matches_f64_reference(loop, gpu, library, shape, nest, dtype):
     """Every context of the grid in one batched call (shuffled, non-contiguous pages).
@@ -78,11 +78,11 @@ def test_nest_matches_f64_reference(loop, gpu, library, shape, nest, dtype):
             assert relative_l2(out, reference(inputs)[0]) > 0.3  # one head in `group` never written
             return
     elif nest == "tiled":
-        assert library.specs[name]["meta"].get("defect") is None
+        assert library.specs[name].meta.get("defect") is None
     check_against_reference(loop, gpu, library, name, inputs, dtype)
 
 
-@pytest.mark.parametrize("nest", ["tiled", "sharded"])
+@pytest.mark.parametrize("nest", NESTS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_mixed_batch_of_three_with_rope(loop, gpu, library, head_dim, nest):
     """A batch of 3 mixed lengths, inline RoPE on (rotate-half, as TVM defines it) at offsets."""
@@ -95,7 +95,7 @@ def test_mixed_batch_of_three_with_rope(loop, gpu, library, head_dim, nest):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("nest", ["tiled", "sharded"])
+@pytest.mark.parametrize("nest", NESTS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [{"window": 64, "sink": 4}, {"window": 300, "sink": 0}], ids=["w64s4", "w300"])
 def test_sliding_window_matches_reference(loop, gpu, library, head_dim, nest, dtype, window):
@@ -113,7 +113,7 @@ def test_unused_slots_are_never_read(loop, gpu, library):
     shape = AttentionShape(1, 4, 128)
     rng = np.random.default_rng(7)
     inputs = make_paged_inputs(rng, [257, 33], 1, 4, 128, "float32", fill_unused=1e4)
-    for nest in ("tiled", "sharded"):
+    for nest in NESTS:
         check_against_reference(loop, gpu, library, attention_kernel_name(nest, shape, "float32", False),
                                 inputs, "float32")
 
@@ -153,12 +153,12 @@ def test_sharded_wgsl_static_properties(library, artifact_dir):
     assert len(sharded) >= 30
     for name in sharded:
         spec = library.specs[name]
-        wgsl = (artifact_dir / spec["wgsl"]).read_text()
-        size = spec["workgroup_size"]
+        wgsl = (artifact_dir / spec.wgsl).read_text()
+        size = spec.workgroup_size
         assert size[0] * size[1] * size[2] == 256, name
         assert re.search(r"@workgroup_size\((\d+), (\d+), (\d+)\)", wgsl).groups() == tuple(map(str, size))
-        assert spec["workgroup_storage_bytes"] <= 16384, name
-        lanes = spec["meta"]["head_dim"] // 64
+        assert spec.workgroup_storage_bytes <= 16384, name
+        lanes = spec.meta["head_dim"] // 64
         body = _context_loop_body(wgsl)
         # two position steps per trip: one barrier per position with split lanes, none with D=64
         expected = 2 if lanes > 1 else 0

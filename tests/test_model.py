@@ -11,12 +11,14 @@ import pytest
 
 from app.chat import ChatSession
 from model_glue.artifact import folder_readers
-from model_glue.convert import TINY_CONFIG, load_artifact_weights, write_random_artifact
+from convert.weights import load_artifact_weights, write_random_artifact
+from model_glue.contract import MODEL_CONFIGS, NESTS
 from model_glue.model import LlamaModel, ModelError, generate
 from model_reference import ReferenceLlama
 
 ROOT_ARTIFACT = __import__("conftest").STATIC / "artifacts" / "smollm2"
 GOLDEN_PROMPT = "What is the capital of France?"
+TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
 GOLDEN_ANSWER = "The capital of France is Paris."
 # Logit tolerances (relative L2 against the numpy reference over the whole vocab). f32 differs from
 # the reference only in summation order: measured <= 2.3e-6 (tiny model). f16 rounds every
@@ -27,7 +29,7 @@ LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_llama")
-    write_random_artifact(TINY_CONFIG, out, seed=3)
+    write_random_artifact("tiny_llama", out, seed=3)
     return out
 
 
@@ -57,7 +59,7 @@ def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_re
         pytest.skip("adapter has no shader-f16")
     model = load(loop, gpu, library, tiny_dir, dtype)
     rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(3, TINY_CONFIG["vocab_size"], 40)]
+    prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
     tiny_reference.reset()
     token = loop.run_until_complete(model.forward(prompt))
     want = tiny_reference.forward(prompt, 0)[-1]
@@ -76,7 +78,7 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_d
     """A context that crosses 256 tokens switches nest at the right step; auto == tiled-forced."""
     model = load(loop, gpu, library, tiny_dir, "float32")
     rng = np.random.default_rng(1)
-    prompt = [int(t) for t in rng.integers(3, TINY_CONFIG["vocab_size"], 240)]
+    prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 240)]
     runs = {}
     for attention in ("auto", "tiled"):
         runs[attention] = loop.run_until_complete(generate(model, prompt, max_new_tokens=100, attention=attention))
@@ -141,7 +143,7 @@ def test_golden_answer_through_both_nests(loop, smollm2):
     """The comparison mode on the golden prompt: both nests answer exactly, identically."""
     smollm2.messages = []
     result = loop.run_until_complete(smollm2.compare(GOLDEN_PROMPT, max_new_tokens=16))
-    for nest in ("tiled", "sharded"):
+    for nest in NESTS:
         run = result["runs"][nest]
         assert run["text"].strip() == GOLDEN_ANSWER, (nest, run["text"])
         assert run["stop_reason"] == "stop token"
@@ -169,3 +171,31 @@ def test_real_model_logits_match_reference(loop, smollm2):
         token_in = token
         token = loop.run_until_complete(model.forward([token_in]))
         want = reference.forward([token_in], pos)[-1]
+
+
+# -- the decode plan ------------------------------------------------------------------------------
+def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, library, tiny_dir):
+    model = load(loop, gpu, library, tiny_dir, "float32")
+    loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, attention="tiled"))
+    plan = model._decode_plans["tiled"]
+    attention = model.attention["tiled"].name
+    assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
+
+
+def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):
+    from model_glue.kernel import DispatchPlan, StaleBindingError
+
+    kernel = loop.run_until_complete(library.kernel("row_sum_probe"))
+    buffers = {"x": gpu.storage_buffer(8 * 256 * 4), "out": gpu.storage_buffer(8 * 4)}
+    plan = DispatchPlan()
+    for scale in (0.5, 0.5):  # the same values replay
+        plan.start()
+        plan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": scale})
+    plan.start()
+    with pytest.raises(StaleBindingError, match=r"values \['scale'\] changed between steps"):
+        plan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": 0.25})
+    replan = DispatchPlan()
+    for scale in (0.5, 0.25):
+        replan.start()
+        replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": scale}, per_step=True)
+    assert replan.entries[0].values["scale"] == 0.25

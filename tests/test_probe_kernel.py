@@ -8,13 +8,13 @@ from app.page import PROBE_SCALE, Session
 
 def test_probe_manifest_abi(library):
     spec = library.specs["row_sum_probe"]
-    assert [b["name"] for b in spec["buffers"]] == ["out", "x"]  # TVM orders bindings by name
-    assert [b["access"] for b in spec["buffers"]] == ["read_write", "read"]
-    assert [(p["name"], p["type"]) for p in spec["pod"]] == [("n", "i32"), ("scale", "f32")]
-    assert spec["workgroup_size"] == [256, 1, 1]
-    assert spec["grid"] == ["n", 1]
-    assert spec["workgroup_storage_bytes"] == 256 * 4
-    assert spec["barriers"] >= 8  # one per tree level at least
+    assert [b.name for b in spec.buffers] == ["out", "x"]  # TVM orders bindings by name
+    assert [b.access for b in spec.buffers] == ["read_write", "read"]
+    assert [(p["name"], p["type"]) for p in spec.pod] == [("n", "i32"), ("scale", "f32")]
+    assert spec.workgroup_size == [256, 1, 1]
+    assert spec.grid == ["n", 1]
+    assert spec.workgroup_storage_bytes == 256 * 4
+    assert spec.barriers >= 8  # one per tree level at least
 
 
 def test_probe_matches_numpy_natively(loop, gpu, library):

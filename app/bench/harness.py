@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-INPUT_BUFFERS = ("Q", "pages", "page_table_indptr", "page_table_values", "length_info",
-                 "k_rope_pos_offset", "q_rope_position")
+from model_glue.attention import attention_call
+from model_glue.contract import PAGE_SIZE
 
 
 def as_dtype(array, dtype: str):
@@ -19,36 +19,29 @@ class DecodeCall:
     """One paged decode-attention call bound to GPU buffers; dispatch it as often as you like."""
 
     def __init__(self, device, kernel, inputs: dict, *, rotary_mode=0, rope_scale=1.0, rope_theta=1e4):
-        spec = kernel.spec
-        dtype = spec["meta"]["dtype"]
+        dtype = kernel.spec.meta["dtype"]
         q = as_dtype(inputs["q"], dtype)
         pages = as_dtype(inputs["pages"], dtype)
         batch, num_qo_heads, head_dim = q.shape
-        host = {
-            "Q": q,
-            "pages": pages,
-            "page_table_indptr": np.asarray(inputs["page_table_indptr"], np.int32),
-            "page_table_values": np.asarray(inputs["page_table_values"], np.int32),
-            "length_info": np.asarray(inputs["length_info"], np.int32),
-            "k_rope_pos_offset": np.asarray(inputs.get("k_rope_pos_offset", np.zeros(batch)), np.int32),
-            "q_rope_position": np.asarray(inputs.get("q_rope_position", np.zeros(batch)), np.int32),
-        }
+        page_table_values = np.asarray(inputs["page_table_values"], np.int32)
+
+        def upload(array, dtype=np.int32):
+            array = np.ascontiguousarray(array, dtype=dtype)
+            return device.storage_buffer(array.nbytes, array.tobytes())
+
         self.device = device
         self.kernel = kernel
         self.out_shape = (batch, num_qo_heads, head_dim)
         self.out_dtype = q.dtype
-        self.buffers = {name: device.storage_buffer(arr.nbytes, arr.tobytes()) for name, arr in host.items()}
-        self.buffers["output"] = device.storage_buffer(q.nbytes)
-        self.buffers["lse"] = device.storage_buffer(batch * num_qo_heads * 4)
-        values = {
-            "B": batch,
-            "nnz_pages": len(host["page_table_values"]),
-            "max_num_pages": pages.shape[0],
-            "rotary_mode": rotary_mode,
-            "rope_scale": rope_scale,
-            "rope_theta": rope_theta,
-            "sm_scale": float(inputs["sm_scale"]),
-        }
+        self.buffers, values = attention_call(
+            q=upload(q, q.dtype), pages=upload(pages, pages.dtype),
+            page_table_indptr=upload(inputs["page_table_indptr"]), page_table_values=upload(page_table_values),
+            length_info=upload(inputs["length_info"]),
+            k_rope_pos_offset=upload(inputs.get("k_rope_pos_offset", np.zeros(batch))),
+            q_rope_position=upload(inputs.get("q_rope_position", np.zeros(batch))),
+            output=device.storage_buffer(q.nbytes), lse=device.storage_buffer(batch * num_qo_heads * 4),
+            batch=batch, nnz_pages=len(page_table_values), max_num_pages=pages.shape[0],
+            sm_scale=float(inputs["sm_scale"]), rotary_mode=rotary_mode, rope_scale=rope_scale, rope_theta=rope_theta)
         self.bound = kernel.bind(self.buffers, values)
         self.kv_bytes = _kv_bytes_read(inputs, num_qo_heads, head_dim, q.itemsize)
 
@@ -76,7 +69,7 @@ def _kv_bytes_read(inputs, num_qo_heads, head_dim, itemsize) -> int:
     return tokens * num_kv_heads * head_dim * 2 * itemsize
 
 
-def random_paged_inputs(rng, context_lens, num_kv_heads, num_qo_heads, head_dim, page_size=16):
+def random_paged_inputs(rng, context_lens, num_kv_heads, num_qo_heads, head_dim, page_size=PAGE_SIZE):
     """Benchmark inputs: N(0,1) q/K/V, each sequence on its own pages, page ids shuffled."""
     pages_per_seq = [(n + page_size - 1) // page_size for n in context_lens]
     num_pages = sum(pages_per_seq)

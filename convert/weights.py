@@ -1,7 +1,8 @@
 """Host-side converter: a llama GGUF (Q4_1 matrices, Q8_0 tied embedding) -> the WebGPU weight artifact.
 
 This module runs on the build machine only (it needs numpy and gguf); nothing the browser loads
-imports it. The GPU kernels read the artifact's packing directly, so the format here is a contract:
+imports it. The model configs it may write are the contract's (model_glue.contract.MODEL_CONFIGS):
+a GGUF whose shape is not the named config is refused, since no kernels exist for it. The GPU kernels read the artifact's packing directly, so the format here is a contract:
 
 * `weights.bin` -- every tensor back to back, each starting at a 256-byte aligned offset (WebGPU
   storage-buffer offsets must be aligned, and 256 covers every adapter's limit), little-endian.
@@ -13,7 +14,7 @@ imports it. The GPU kernels read the artifact's packing directly, so the format 
 * Norm vectors as float32.
 * Fused matrices so one dispatch serves several projections: `layers.{i}.qkv` (q, k, v rows),
   `layers.{i}.o`, `layers.{i}.gate_up` (gate rows then up rows), `layers.{i}.down`.
-* `manifest.json` -- config, source, every tensor's offset/nbytes/dtype/shape/sha256. It is
+* `manifest.json` -- config name and values, source, every tensor's offset/nbytes/dtype/shape/sha256. It is
   written last by atomic rename, so a folder without it (or with a stale one whose hashes do not
   match) is detectably incomplete.
 
@@ -27,19 +28,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-FORMAT = 1
-KIND = "llama-q4"
+from convert.gguf_fields import gguf_field, open_gguf
+
+from model_glue.contract import (MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, MODEL_CONFIGS, WEIGHTS_FILE,
+                                 LlamaConfig)
+
 ALIGN = 256
-MANIFEST = "manifest.json"
-WEIGHTS = "weights.bin"
-MAX_CONTEXT = 8192
 QBLOCK = 32  # elements per Q4_1 / Q8_0 block
 
 Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles
@@ -145,8 +145,8 @@ def _dtype_name(arr: np.ndarray) -> str:
     raise ConvertError(f"artifact tensors are uint32 or float32, got {arr.dtype}")
 
 
-def write_artifact(out_dir, config: dict, source: dict, tensors: Iterable[tuple[str, np.ndarray]],
-                   log: Callable[[str], None] = lambda s: None) -> dict:
+def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
+                   tensors: Iterable[tuple[str, np.ndarray]], log: Callable[[str], None] = lambda s: None) -> dict:
     """Stream `tensors` into weights.bin (256-byte aligned) and then write manifest.json atomically.
 
     Any existing manifest is removed first, so a crash mid-write never leaves a manifest that
@@ -155,7 +155,7 @@ def write_artifact(out_dir, config: dict, source: dict, tensors: Iterable[tuple[
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    tmp_weights = out / (WEIGHTS + ".tmp")
+    tmp_weights = out / (WEIGHTS_FILE + ".tmp")
     entries: dict[str, dict] = {}
     offset = 0
     with open(tmp_weights, "wb") as fh:
@@ -174,13 +174,14 @@ def write_artifact(out_dir, config: dict, source: dict, tensors: Iterable[tuple[
                              "shape": [int(s) for s in arr.shape],
                              "sha256": hashlib.sha256(data).hexdigest()}
             offset += len(data)
-    os.replace(tmp_weights, out / WEIGHTS)
-    manifest = {"format": FORMAT, "kind": KIND, "config": config, "source": source,
-                "tensors": entries, "weights_file": WEIGHTS, "total_bytes": offset}
+    os.replace(tmp_weights, out / WEIGHTS_FILE)
+    manifest = {"format": MODEL_ARTIFACT_FORMAT, "kind": MODEL_ARTIFACT_KIND, "config_name": config_name,
+                "config": config.to_dict(), "source": source,
+                "tensors": entries, "weights_file": WEIGHTS_FILE, "total_bytes": offset}
     tmp_manifest = out / (MANIFEST + ".tmp")
     tmp_manifest.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp_manifest, out / MANIFEST)
-    log(f"wrote {len(entries)} tensors, {offset / 2**20:.1f} MiB to {out / WEIGHTS}")
+    log(f"wrote {len(entries)} tensors, {offset / 2**20:.1f} MiB to {out / WEIGHTS_FILE}")
     return manifest
 
 
@@ -194,9 +195,9 @@ def read_manifest(art_dir) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as err:
         raise ConvertError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != FORMAT or manifest.get("kind") != KIND:
+    if manifest.get("format") != MODEL_ARTIFACT_FORMAT or manifest.get("kind") != MODEL_ARTIFACT_KIND:
         raise ConvertError(f"{path}: format {manifest.get('format')!r} kind {manifest.get('kind')!r}, "
-                           f"expected {FORMAT} {KIND!r}")
+                           f"expected {MODEL_ARTIFACT_FORMAT} {MODEL_ARTIFACT_KIND!r}")
     weights = root / manifest["weights_file"]
     if not weights.exists() or weights.stat().st_size != manifest["total_bytes"]:
         size = weights.stat().st_size if weights.exists() else None
@@ -248,36 +249,30 @@ def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple
 # GGUF side.
 # ----------------------------------------------------------------------------------------------
 
-def _field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader) -> dict:
-    """The artifact config from GGUF metadata (llama architecture only)."""
-    arch = _field(reader, "general.architecture")
+def gguf_config(reader) -> LlamaConfig:
+    """The model config from GGUF metadata (llama architecture only)."""
+    arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ConvertError(f"expected a llama GGUF, got architecture {arch!r}")
-    dim = int(_field(reader, "llama.embedding_length"))
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    vocab = _field(reader, "llama.vocab_size")
+    dim = int(gguf_field(reader, "llama.embedding_length"))
+    n_heads = int(gguf_field(reader, "llama.attention.head_count"))
+    vocab = gguf_field(reader, "llama.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
-        "dim": dim,
-        "n_layers": int(_field(reader, "llama.block_count")),
-        "n_heads": n_heads,
-        "n_kv_heads": int(_field(reader, "llama.attention.head_count_kv", n_heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", dim // n_heads)),
-        "ffn_dim": int(_field(reader, "llama.feed_forward_length")),
-        "vocab_size": int(vocab),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+    return LlamaConfig(
+        dim=dim,
+        n_layers=int(gguf_field(reader, "llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=int(gguf_field(reader, "llama.rope.dimension_count", dim // n_heads)),
+        ffn_dim=int(gguf_field(reader, "llama.feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         # float32 metadata: round to the value llama.cpp means (9.99999974738e-06 -> 1e-05)
-        "rms_eps": round(float(_field(reader, "llama.attention.layer_norm_rms_epsilon")), 12),
-        "max_context": MAX_CONTEXT,
-        "bos_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
-    }
+        rms_eps=round(float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")), 12),
+        bos_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
 
 
 def _gguf_tensors(reader) -> dict:
@@ -310,17 +305,17 @@ def _gguf_layer_names(i: int) -> dict[str, list[str]]:
             "down": [f"{b}.ffn_down.weight"]}
 
 
-def _matrix_shapes(config: dict) -> dict[str, list[tuple[int, int]]]:
+def _matrix_shapes(config: LlamaConfig) -> dict[str, list[tuple[int, int]]]:
     """(rows, cols) per fused part, matching `_gguf_layer_names`."""
-    d, hd, f = config["dim"], config["head_dim"], config["ffn_dim"]
-    q, kv = config["n_heads"] * hd, config["n_kv_heads"] * hd
+    d, hd, f = config.dim, config.head_dim, config.ffn_dim
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
     return {"qkv": [(q, d), (kv, d), (kv, d)], "o": [(d, q)], "gate_up": [(f, d), (f, d)], "down": [(d, f)]}
 
 
-def _iter_gguf_artifact(reader, config: dict, log) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_gguf_artifact(reader, config: LlamaConfig, log) -> Iterator[tuple[str, np.ndarray]]:
     """Artifact tensors in file order, produced layer by layer so memory stays small."""
     tensors = _gguf_tensors(reader)
-    d, vocab = config["dim"], config["vocab_size"]
+    d, vocab = config.dim, config.vocab_size
     emb = _require(tensors, "token_embd.weight", "Q8_0", vocab, d)
     codes, scale = split_q8_0(emb.data, d)
     yield "embed.q8", pack_q8(codes)
@@ -328,7 +323,7 @@ def _iter_gguf_artifact(reader, config: dict, log) -> Iterator[tuple[str, np.nda
     if "output.weight" in tensors:
         raise ConvertError("GGUF has a separate output.weight; this format expects tied embeddings")
     shapes = _matrix_shapes(config)
-    for i in range(config["n_layers"]):
+    for i in range(config.n_layers):
         p = f"layers.{i}"
         yield f"{p}.attn_norm", np.asarray(_require(tensors, f"blk.{i}.attn_norm.weight", "F32", 1, d).data,
                                            dtype=np.float32)
@@ -338,8 +333,8 @@ def _iter_gguf_artifact(reader, config: dict, log) -> Iterator[tuple[str, np.nda
             parts = [split_q4_1(_require(tensors, n, "Q4_1", r, c).data, c)
                      for n, (r, c) in zip(names, shapes[mat])]
             yield from q4_tensors(f"{p}.{mat}", *(np.concatenate(x, axis=0) for x in zip(*parts)))
-        if i % 10 == 9 or i == config["n_layers"] - 1:
-            log(f"  layer {i + 1}/{config['n_layers']} packed")
+        if i % 10 == 9 or i == config.n_layers - 1:
+            log(f"  layer {i + 1}/{config.n_layers} packed")
     yield "final_norm", np.asarray(_require(tensors, "output_norm.weight", "F32", 1, d).data, dtype=np.float32)
 
 
@@ -351,17 +346,22 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(gguf_path, out_dir, log: Callable[[str], None] = print) -> dict:
-    """Convert a llama Q4_1 GGUF into the artifact folder; returns the manifest."""
-    from gguf import GGUFReader
+def convert_gguf(gguf_path, out_dir, config_name: str = "smollm2_135m", log: Callable[[str], None] = print) -> dict:
+    """Convert a llama Q4_1 GGUF into the artifact folder; returns the manifest.
 
+    The GGUF's shape must be the contract's `config_name`: the kernels are built for those shapes.
+    """
     t0 = time.perf_counter()
     path = Path(gguf_path)
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     config = gguf_config(reader)
-    log(f"converting {path.name}: {config['n_layers']} layers, dim {config['dim']}, vocab {config['vocab_size']}")
+    expected = MODEL_CONFIGS[config_name]
+    if config.kernel_shape() != expected.kernel_shape():
+        raise ConvertError(f"{path.name} has shape {config}, but the contract's {config_name!r} is {expected} "
+                           "(model_glue/contract.py); add a config there to convert another model")
+    log(f"converting {path.name}: {config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}")
     source = {"file": path.name, "sha256": _sha256_file(path)}
-    manifest = write_artifact(out_dir, config, source, _iter_gguf_artifact(reader, config, log), log)
+    manifest = write_artifact(out_dir, config_name, config, source, _iter_gguf_artifact(reader, config, log), log)
     log(f"artifact {manifest['total_bytes'] / 2**20:.1f} MiB ({manifest['total_bytes']} bytes) "
         f"in {time.perf_counter() - t0:.1f} s")
     return manifest
@@ -372,11 +372,10 @@ def load_gguf_weights(gguf_path, layers: Iterable[int] | None = None) -> tuple[d
 
     This is the independent side of the round-trip check: it never touches our packing code.
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(gguf_path))
-    config = gguf_config(reader)
+    reader = open_gguf(gguf_path)
+    config = gguf_config(reader).to_dict()
     tensors = _gguf_tensors(reader)
 
     def dense(name):
@@ -398,15 +397,6 @@ def load_gguf_weights(gguf_path, layers: Iterable[int] | None = None) -> tuple[d
 # Synthetic artifacts for tests and benchmarks.
 # ----------------------------------------------------------------------------------------------
 
-TINY_CONFIG = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "ffn_dim": 512,
-               "vocab_size": 512, "rope_theta": 10000.0, "rms_eps": 1e-5, "max_context": MAX_CONTEXT,
-               "bos_id": 1, "eos_id": 2}
-
-SMOLLM2_CONFIG = {"dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "ffn_dim": 1536,
-                  "vocab_size": 49152, "rope_theta": 100000.0, "rms_eps": 1e-5, "max_context": MAX_CONTEXT,
-                  "bos_id": 1, "eos_id": 2}
-
-
 def _random_q4(rng: np.random.Generator, rows: int, cols: int):
     """Random codes with scales ~0.02 and mins ~ -8*scale (weights centred near zero, like real Q4_1).
 
@@ -418,15 +408,15 @@ def _random_q4(rng: np.random.Generator, rows: int, cols: int):
     return codes, d, m
 
 
-def _iter_random_artifact(config: dict, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_random_artifact(config: LlamaConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    d, vocab = config["dim"], config["vocab_size"]
+    d, vocab = config.dim, config.vocab_size
     codes = rng.integers(-127, 128, size=(vocab, d), dtype=np.int8)
     scale = (0.01 * rng.uniform(0.5, 1.5, size=(vocab, d // QBLOCK))).astype(np.float16).astype(np.float32)
     yield "embed.q8", pack_q8(codes)
     yield "embed.scale", scale
     shapes = _matrix_shapes(config)
-    for i in range(config["n_layers"]):
+    for i in range(config.n_layers):
         p = f"layers.{i}"
         yield f"{p}.attn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
         yield f"{p}.ffn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
@@ -436,35 +426,12 @@ def _iter_random_artifact(config: dict, seed: int) -> Iterator[tuple[str, np.nda
     yield "final_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
 
 
-def _check_config(config: dict) -> dict:
-    full = {**TINY_CONFIG, **config}
-    d, hd = full["dim"], full["head_dim"]
-    if d % QBLOCK or full["ffn_dim"] % QBLOCK or (full["n_heads"] * hd) % QBLOCK:
-        raise ConvertError("dim, ffn_dim and n_heads*head_dim must be multiples of 32 (quant block)")
-    if full["n_heads"] % full["n_kv_heads"]:
-        raise ConvertError("n_heads must be a multiple of n_kv_heads (GQA)")
-    return full
+def write_random_artifact(config_name: str, out_dir, seed: int = 0) -> dict:
+    """Write random weights of a contract config (same format as `convert_gguf`).
 
-
-def write_random_artifact(config: dict, out_dir, seed: int = 0) -> dict:
-    """Write a synthetic artifact of the given shape (same format as `convert_gguf`).
-
-    Lets runtime/kernel tests run on a tiny model without the GGUF, and benchmarks run on a
-    SmolLM2-shaped model (pass SMOLLM2_CONFIG). Missing config keys default to TINY_CONFIG.
+    Lets runtime/kernel tests run on a tiny model without the GGUF ("tiny_llama", "tiny_chat"),
+    and benchmarks run on a SmolLM2-shaped model ("smollm2_135m").
     """
-    full = _check_config(config)
+    config = MODEL_CONFIGS[config_name]
     source = {"file": None, "sha256": None, "random_seed": seed}
-    return write_artifact(out_dir, full, source, _iter_random_artifact(full, seed))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m model_glue.convert MODEL.gguf OUT_DIR", file=sys.stderr)
-        return 2
-    convert_gguf(args[0], args[1])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return write_artifact(out_dir, config_name, config, source, _iter_random_artifact(config, seed))

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
+from model_glue.contract import NESTS
 from model_glue.model import MAX_PREFILL_CHUNK, LlamaModel
 from model_glue.webgpu import WgpuDevice
 
@@ -23,10 +24,10 @@ async def run_decode_bench(args) -> dict:
     library = await KernelLibrary.from_folder(device, args.kernels)
     model_dir = args.model
     if args.synthetic:
-        from model_glue.convert import SMOLLM2_CONFIG, write_random_artifact
+        from convert.weights import write_random_artifact
 
         model_dir = tempfile.mkdtemp(prefix="smollm2-synthetic-")
-        write_random_artifact(SMOLLM2_CONFIG, model_dir, seed=0)
+        write_random_artifact("smollm2_135m", model_dir, seed=0)
     read_text, read_bytes = folder_readers(model_dir)
     max_context = max(args.contexts) + args.steps + 1
     model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
@@ -38,7 +39,7 @@ async def run_decode_bench(args) -> dict:
           f"{'attn ms':>8} {'attn share':>10} {'nests':>14}")
     rng = random.Random(0)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers.
-    for attention in ("tiled", "sharded"):
+    for attention in NESTS:
         model.reset()
         token = await model.forward([rng.randrange(3, model.config.vocab_size) for _ in range(20)], attention)
         for _ in range(3):

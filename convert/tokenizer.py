@@ -13,60 +13,36 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from convert.gguf_fields import gguf_field, open_gguf
+from model_glue.contract import TOKENIZER_CONFIG_FILE
+
 # llama.cpp's token types (gguf.TokenType): CONTROL and USER_DEFINED tokens are never split by BPE.
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 SPECIAL_TOKEN_TYPES = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
 
-CONFIG_NAME = "tokenizer_config.json"
-
-
-def _field(reader, key: str, default=None):
-    """A scalar metadata value (str/int/bool) of the GGUF, or `default` when the key is absent."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return default
-    part = field.parts[field.data[0]]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    value = part.tolist()[0]
-    return bool(value) if field.types[0] == gguf.GGUFValueType.BOOL else int(value)
-
-
-def _string_array(reader, key: str) -> list[str]:
-    field = reader.fields[key]
-    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-
-
-def _int_array(reader, key: str) -> list[int]:
-    field = reader.fields[key]
-    return [int(field.parts[i][0]) for i in field.data]
 
 
 def read_gguf_tokenizer(gguf_path) -> dict:
     """The raw tokenizer metadata of a GGUF: tokens, types, merges, special ids, chat template."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    model = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre")
+    reader = open_gguf(gguf_path)
+    model = gguf_field(reader, "tokenizer.ggml.model")
+    pre = gguf_field(reader, "tokenizer.ggml.pre")
     if model != "gpt2":
         raise ValueError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported")
     if pre != "smollm":
         # Other pre-types use other split regexes; exporting them with SmolLM's would silently mis-tokenize.
         raise ValueError(f"tokenizer.ggml.pre is {pre!r}; only 'smollm' is supported")
     return {
-        "tokens": _string_array(reader, "tokenizer.ggml.tokens"),
-        "token_types": _int_array(reader, "tokenizer.ggml.token_type"),
-        "merges": _string_array(reader, "tokenizer.ggml.merges"),
-        "bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "unk_id": _field(reader, "tokenizer.ggml.unknown_token_id"),
-        "pad_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-        "add_bos_token": _field(reader, "tokenizer.ggml.add_bos_token", False),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "tokens": gguf_field(reader, "tokenizer.ggml.tokens"),
+        "token_types": gguf_field(reader, "tokenizer.ggml.token_type"),
+        "merges": gguf_field(reader, "tokenizer.ggml.merges"),
+        "bos_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "unk_id": gguf_field(reader, "tokenizer.ggml.unknown_token_id"),
+        "pad_id": gguf_field(reader, "tokenizer.ggml.padding_token_id"),
+        "add_bos_token": gguf_field(reader, "tokenizer.ggml.add_bos_token", False),
+        "chat_template": gguf_field(reader, "tokenizer.chat_template"),
     }
 
 
@@ -126,6 +102,6 @@ def export_tokenizer(gguf_path, out_path) -> dict:
         "vocab_size": len(tokens),
         "chat_template": meta["chat_template"],
     }
-    (out_path.parent / CONFIG_NAME).write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
+    (out_path.parent / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n",
+                                                         encoding="utf-8")
     return config

@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from app.decode_harness import DecodeCall, random_paged_inputs
-from kernels.shapes import BENCH_SHAPES, attention_kernel_name  # no TVM: runs from a copied artifact
+from app.bench.harness import DecodeCall, random_paged_inputs
 from model_glue.artifact import KernelLibrary
+from model_glue.contract import BENCH_SHAPES, NESTS, attention_kernel_name
 from model_glue.webgpu import WgpuDevice
 
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
@@ -73,7 +73,7 @@ async def run_attention_bench(args) -> dict:
         for context in args.contexts:
             inputs = random_paged_inputs(rng, [context], shape.num_kv_heads, shape.num_qo_heads, shape.head_dim)
             timing = {}
-            for nest in ("tiled", "sharded"):
+            for nest in NESTS:
                 kernel = await library.kernel(attention_kernel_name(nest, shape, dtype, False))
                 call = DecodeCall(device, kernel, inputs)
                 await time_dispatches(device, call.dispatch, 10, args.timing)  # warm-up (clocks ramp up)
