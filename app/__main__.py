@@ -56,9 +56,12 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (native WebGPU through wgpu)")
     bench_sub = bench.add_subparsers(dest="what", required=True)
-    attn = bench_sub.add_parser("attention", help="tiled vs sharded paged decode attention")
+    attn = bench_sub.add_parser("attention", help="paged decode attention: tiled, sharded and the split variants")
     attn.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
-    attn.add_argument("--contexts", type=_int_list, default=[256, 1024, 3060, 8192])
+    attn.add_argument("--contexts", type=_int_list, default=[256, 1024, 3060, 8192, 32768])
+    attn.add_argument("--splits", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
+                      help="S values swept for both split variants")
+    attn.add_argument("--show-sweep", action="store_true", help="print every split variant's time per S")
     attn.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                       help="auto: float16 where the adapter has shader-f16")
     attn.add_argument("--iters", type=int, default=20, help="timed calls per measurement")

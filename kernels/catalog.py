@@ -12,15 +12,17 @@ from dataclasses import dataclass, field
 
 from kernels import llama
 from kernels.decode_attention import decode_attention_sharded, decode_attention_tiled
+from kernels.decode_attention_split import decode_attention_split_merge, decode_attention_split_partial
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (BENCH_SHAPES, DTYPES, LLAMA_ROLES, MODEL_CONFIGS, MODEL_SHAPES,
-                                 PREFILL_TOKENS_PER_GROUP, TEST_SHAPES, TILED_WORKGROUP_STORAGE_BYTES,
-                                 WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig, attention_kernel_name,
-                                 model_kernel_name)
+from model_glue.contract import (BENCH_SHAPES, DTYPES, LLAMA_ROLES, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
+                                 PREFILL_TOKENS_PER_GROUP, SPLIT_VARIANTS, TEST_SHAPES,
+                                 TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig,
+                                 attention_kernel_name, model_kernel_name, split_merge_kernel_name)
 
 NEST_BUILDERS = {"tiled": decode_attention_tiled, "sharded": decode_attention_sharded}
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe, **NEST_BUILDERS,
+    "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
 }
@@ -62,6 +64,26 @@ def _attention_recipes(shapes, dtypes, windows) -> list[KernelRecipe]:
     return recipes
 
 
+def _split_recipes(shapes, dtypes) -> list[KernelRecipe]:
+    """Both split variants' partial kernels and their shared merge, for the shapes the model and the
+    benchmark run (tests build their own grid: tests/test_decode_attention_split.py)."""
+    recipes = []
+    for shape in shapes:
+        for dtype in dtypes:
+            common = {"kind": "decode_attention", "num_kv_heads": shape.num_kv_heads,
+                      "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim, "dtype": dtype,
+                      "sliding_window": False}
+            for variant in SPLIT_VARIANTS:
+                args = (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype, False, PAGE_SIZE,
+                        variant == "split_group")
+                recipes.append(KernelRecipe(attention_kernel_name(variant, shape, dtype, False), "split_partial",
+                                            args, {**common, "nest": variant}))
+            recipes.append(KernelRecipe(split_merge_kernel_name(shape, dtype), "split_merge",
+                                        (shape.num_qo_heads, shape.head_dim, dtype),
+                                        {**common, "kind": "decode_attention_merge"}))
+    return recipes
+
+
 def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     """The builder arguments of one role (its builder is LLAMA_ROLES[role].builder)."""
     if role == "embed":
@@ -97,6 +119,7 @@ def all_recipes() -> list[KernelRecipe]:
                KernelRecipe("stream_read", "stream_read_probe", (), {"kind": "probe"})]
     recipes += _attention_recipes(TEST_SHAPES + BENCH_SHAPES + MODEL_SHAPES, DTYPES, (False,))
     recipes += _attention_recipes(WINDOW_SHAPES, DTYPES, (True,))
+    recipes += _split_recipes(BENCH_SHAPES + MODEL_SHAPES, DTYPES)
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)

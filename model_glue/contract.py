@@ -23,6 +23,12 @@ from dataclasses import asdict, dataclass, field
 PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
 NESTS = ("tiled", "sharded")
 NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets pick_decode_nest choose
+# The sharded family: one workgroup per (sequence, query head) over the whole context ("sharded"),
+# or the context split across S workgroups plus a merge kernel, one query head per workgroup
+# ("split") or a whole GQA group per workgroup ("split_group"). model_glue.attention picks one.
+SHARDED_VARIANTS = ("sharded", "split", "split_group")
+SPLIT_VARIANTS = ("split", "split_group")
+MAX_SPLITS = 64  # the most splits the host picks (the workspace is sized for it)
 
 # -- artifacts -------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
@@ -126,6 +132,11 @@ def attention_kernel_name(nest: str, shape: AttentionShape, dtype: str, sliding_
             f"_{DTYPE_TAGS[dtype]}{window}")
 
 
+def split_merge_kernel_name(shape: AttentionShape, dtype: str) -> str:
+    """The merge kernel shared by both split variants of a shape."""
+    return f"decode_split_merge_d{shape.head_dim}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
+
+
 def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
     return f"{config_name}_{role}_{DTYPE_TAGS[dtype]}"
 
@@ -135,6 +146,9 @@ ATTENTION_INPUTS = ("Q", "pages", "page_table_indptr", "page_table_values", "len
                     "k_rope_pos_offset", "q_rope_position")
 ATTENTION_OUTPUTS = ("output", "lse")
 ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
+# The split variants' workspace: per (sequence, query head, split) the split's O (not yet divided)
+# and (max, denominator) in the log2 domain, dense for the call's S: [B, H_qo, S, D] and [B, H_qo, S, 2].
+SPLIT_WORKSPACE = ("partial_o", "partial_stats")
 
 _MATMUL = ("x", "w", "scale", "wmin", "y")
 _MATMUL_RESIDUAL = ("x", "w", "scale", "wmin", "resid", "y")

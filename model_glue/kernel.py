@@ -157,8 +157,7 @@ class DispatchPlan:
         """A new pass: replay from the first entry."""
         self._cursor = 0
 
-    def dispatch(self, batch, kernel: Kernel, buffers: dict, values: dict, *, per_step: bool = False,
-                 timestamps=None) -> None:
+    def dispatch(self, batch, kernel: Kernel, buffers: dict, values: dict, *, per_step: bool = False) -> None:
         index = self._cursor
         self._cursor += 1
         if index == len(self.entries):
@@ -174,7 +173,7 @@ class DispatchPlan:
                                         "declared per_step, so its binding would replay the old ones")
             entry.bound.update(values)
             entry.values = dict(values)
-        entry.bound.dispatch(batch, timestamps)
+        entry.bound.dispatch(batch)
 
     @property
     def per_step_kernels(self) -> list[str]:

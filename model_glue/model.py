@@ -2,7 +2,9 @@
 
 The forward pass is a fixed sequence of TVM-built kernels (see `_encode_forward`), read top to
 bottom like llama2.c's run.c. No numpy and no TVM: the same code runs in Pyodide and natively.
-Every decode step asks `pick_decode_nest` which attention nest to run and records its timings.
+Every decode step asks `pick_decode_nest` which attention nest to run (above 256 tokens the sharded
+family, whose variant and split count `pick_sharded_variant` picks for this adapter) and records
+its timings.
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ import json
 import struct
 import time
 from array import array
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from model_glue.attention import attention_call, pick_decode_nest, tiled_defect
-from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND,
-                                 MODEL_CONFIGS, NESTS, PAGE_SIZE, LlamaConfig, attention_kernel_name,
-                                 model_kernel_name)
+from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
+                                  pick_sharded_variant, split_workspace_bytes, tiled_defect)
+from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MODEL_ARTIFACT_FORMAT,
+                                 MODEL_ARTIFACT_KIND, MODEL_CONFIGS, NESTS, PAGE_SIZE, SHARDED_VARIANTS,
+                                 SPLIT_VARIANTS, SPLIT_WORKSPACE, LlamaConfig, attention_kernel_name, model_kernel_name,
+                                 split_merge_kernel_name)
 from model_glue.kernel import DispatchPlan, unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
+# The split workspace serves batch * num_splits rows: a prefill chunk's pseudo-sequences at S = 1,
+# or one decode sequence at up to MAX_SPLITS splits.
+SPLIT_WORKSPACE_ROWS = max(MAX_PREFILL_CHUNK, MAX_SPLITS)
 STOPPED_BY_USER = "stopped by user"
 STOPPED_IN_PREFILL = "stopped during prefill"
 
@@ -37,7 +45,8 @@ class StepStats:
     kind: str  # "prefill" or "decode"
     tokens: int  # tokens processed in this pass
     context: int  # tokens attended by the last query (the step's longest context)
-    nest: str
+    nest: str  # "tiled" or "sharded" (the family; the comparison mode's axis)
+    variant: str  # what ran: "tiled", "sharded", "split S=8", "split_group S=1"
     attention_ms: float | None  # GPU time of all attention dispatches, summed over layers
     step_ms: float  # wall time of the whole pass: encoding, GPU work, token id and timestamps back
     timing_note: str = ""
@@ -114,6 +123,7 @@ class LlamaModel:
         self._stamps = None
         self.stats: list[StepStats] = []
         self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
+        self.sharded_override: str | None = None  # e.g. "split:8": forces the sharded family's variant
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -160,7 +170,7 @@ class LlamaModel:
         model.tiled_defect = tiled_defect(library.specs[names["tiled"]])
         progress("compiling kernels")
         for role, name in names.items():
-            if role in NESTS:
+            if role in SHARDED_VARIANTS + NESTS + ("split_merge",):
                 model.attention[role] = await library.kernel(name)
             else:
                 model.kernels[role] = await library.kernel(name)
@@ -179,6 +189,7 @@ class LlamaModel:
             "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
             "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
             "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
+            **split_workspace_bytes(SPLIT_WORKSPACE_ROWS, c.attention_shape),
         }
 
     def _ensure_scratch(self, tokens: int) -> None:
@@ -220,6 +231,10 @@ class LlamaModel:
             nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
         except ValueError as err:
             raise ModelError(str(err)) from err
+        choice = AttentionChoice("tiled")
+        if nest == "sharded":
+            choice = pick_sharded_variant(contexts, c.attention_shape, is_cpu=self.device.is_cpu,
+                                          max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
         indptr, page_ids, last_len = self.kv.page_table(contexts)
         dev, buf = self.device, self.buffers
         dev.write(buf["ids"], array("i", token_ids).tobytes())
@@ -231,7 +246,7 @@ class LlamaModel:
 
         stamps = self._stamps
         batch = dev.batch()
-        self._encode_forward(batch, n, nest, len(page_ids), stamps)
+        self._encode_forward(batch, n, choice, len(page_ids), stamps)
         if stamps is not None:
             batch.resolve(stamps)
         batch.submit()
@@ -243,25 +258,28 @@ class LlamaModel:
             attention_ms = sum(spans) / 1e6
             note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
         step_ms = (time.perf_counter() - started) * 1e3
-        self.stats.append(StepStats("prefill" if n > 1 else "decode", n, contexts[-1], nest,
+        self.stats.append(StepStats("prefill" if n > 1 else "decode", n, contexts[-1], nest, str(choice),
                                     attention_ms, step_ms, note))
         return next_id
 
-    def _encode_forward(self, batch, n: int, nest: str, nnz_pages: int, stamps) -> None:
+    def _encode_forward(self, batch, n: int, choice: AttentionChoice, nnz_pages: int, stamps) -> None:
         """The whole forward pass as kernel dispatches (bound per pass: shapes change with n)."""
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
         tokens = {"n": n}
-        plan = self._decode_plans.setdefault(nest, DispatchPlan()) if n == 1 else None
+        plan = self._decode_plans.setdefault(choice.variant, DispatchPlan()) if n == 1 else None
+        attention = [self.attention[choice.variant]]
+        if choice.variant in SPLIT_VARIANTS:
+            attention.append(self.attention["split_merge"])  # combines the S partial results
         if plan is not None:
             plan.start()
 
-        def run(kernel, buffers, values=tokens, timestamps=None, per_step=False):
+        def run(kernel, buffers, values=tokens, per_step=False):
             if plan is not None:
-                plan.dispatch(batch, kernel, buffers, values, per_step=per_step, timestamps=timestamps)
+                plan.dispatch(batch, kernel, buffers, values, per_step=per_step)
                 return
             bound = kernel.bind(buffers, values)  # a prefill pass: its own shapes, bound once
-            bound.dispatch(batch, timestamps)
+            bound.dispatch(batch)
             bound.release_after(batch)
 
         def matmul(role, name, x, y, resid=None):
@@ -286,9 +304,11 @@ class LlamaModel:
                 q=buf["q"], pages=pages, page_table_indptr=buf["indptr"], page_table_values=buf["page_ids"],
                 length_info=buf["last_len"], k_rope_pos_offset=buf["zeros"], q_rope_position=buf["zeros"],
                 output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
-                max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta)
-            run(self.attention[nest], attn_buffers, attn_values,
-                None if stamps is None else (stamps, 2 * layer, 2 * layer + 1), per_step=True)
+                max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
+                workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
+            with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if stamps is not None else nullcontext():
+                for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
+                    run(kernel, kernel_buffers, values, per_step=True)
             matmul("o", f"{p}.o", buf["attn"], x_mid, resid=x)
             # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
             run(k["rms_norm"], {"x": x_mid, "weight": w[f"{p}.ffn_norm"], "out": buf["normed"]})
@@ -328,7 +348,9 @@ def _checked_config(config_name: str | None, values: dict, max_context: int | No
 def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) -> dict[str, str]:
     """Artifact kernel name of every role the forward pass runs, the attention nests included."""
     names = {role: model_kernel_name(config_name, role, dtype) for role in LLAMA_ROLES}
-    names.update({nest: attention_kernel_name(nest, config.attention_shape, dtype, False) for nest in NESTS})
+    names.update({nest: attention_kernel_name(nest, config.attention_shape, dtype, False)
+                  for nest in NESTS + SPLIT_VARIANTS})
+    names["split_merge"] = split_merge_kernel_name(config.attention_shape, dtype)
     missing = sorted(name for name in names.values() if name not in library.specs)
     if missing:
         raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "

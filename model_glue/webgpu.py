@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from contextlib import contextmanager
 
 # WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
 MAP_READ, COPY_SRC, COPY_DST, UNIFORM, STORAGE, QUERY_RESOLVE = 1, 4, 8, 64, 128, 512
@@ -71,6 +72,9 @@ class Device:
         self.has_f16 = "shader-f16" in self.features
         self.has_timestamps = "timestamp-query" in self.features
         self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
+        # A CPU rasterizer (lavapipe, SwiftShader): no memory-level parallelism to win by splitting work.
+        lowered = adapter_name.lower()
+        self.is_cpu = any(word in lowered for word in ("llvmpipe", "lavapipe", "swiftshader", "(cpu)"))
         self.lost_reason: str | None = None  # set once the device is lost
 
     def _lost(self, err: Exception) -> Exception:
@@ -108,6 +112,8 @@ class Device:
 
     def write(self, buffer, data: bytes | memoryview, offset: int = 0) -> None:
         data = memoryview(data).cast("B")
+        if not len(data):
+            return  # nothing to write (e.g. an empty page table); wgpu refuses a zero-size write
         if len(data) % 4:  # writeBuffer sizes must be multiples of 4
             data = memoryview(bytes(data) + bytes(4 - len(data) % 4))
         try:
@@ -174,14 +180,24 @@ class Batch:
     def dispatch(self, pipeline, bind_group, grid: tuple[int, int, int], timestamps: tuple | None = None):
         """Dispatch; `timestamps=(Timestamps, begin_index, end_index)` brackets it alone."""
         if timestamps is not None:
-            self._close_pass()
-            timed = self.device._begin_pass(self.encoder, timestamps)
-            self.device._dispatch_in(timed, pipeline, bind_group, grid)
-            timed.end()
+            with self.timed(timestamps):
+                self.dispatch(pipeline, bind_group, grid)
             return
         if self._open_pass is None:
             self._open_pass = self.device._begin_pass(self.encoder, None)
         self.device._dispatch_in(self._open_pass, pipeline, bind_group, grid)
+
+    @contextmanager
+    def timed(self, timestamps: tuple):
+        """Dispatches inside run in one compute pass whose start and end write `timestamps`
+        (Timestamps, begin_index, end_index): e.g. a split attention's partial and merge kernels.
+        Within a pass WebGPU still orders each dispatch's storage writes before the next one."""
+        self._close_pass()
+        self._open_pass = self.device._begin_pass(self.encoder, timestamps)
+        try:
+            yield
+        finally:
+            self._close_pass()
 
     def _close_pass(self) -> None:
         if self._open_pass is not None:
@@ -243,6 +259,7 @@ class WgpuDevice(Device):
         info = adapter.info
         name = info.get("device") or info.get("description") or "unknown adapter"
         super().__init__(f"{name} ({info.get('backend_type', '?')})", features, limits)
+        self.is_cpu = self.is_cpu or info.get("adapter_type") == "CPU"
         self._adapter = adapter
         self._device = device
 

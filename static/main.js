@@ -96,7 +96,7 @@ function updateOverlay(stats) {
   steps.push(stats);
   const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
   $("overlay-last").textContent =
-    `${stats.kind} · ctx ${stats.context} · ${stats.nest} · attn ${attn} · step ${stats.step_ms.toFixed(1)} ms`;
+    `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · step ${stats.step_ms.toFixed(1)} ms`;
   $("overlay-note").textContent = stats.timing_note || "";
   const points = steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
     .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));

@@ -80,19 +80,26 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_d
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 240)]
     runs = {}
-    for attention in ("auto", "tiled"):
-        runs[attention] = loop.run_until_complete(generate(model, prompt, max_new_tokens=100, attention=attention))
+    # auto (on this CPU adapter: split_group, S=1), tiled forced, and the sharded family held to
+    # other variants and split counts: the greedy text must not change.
+    for label, attention, override in (("auto", "auto", None), ("tiled", "tiled", None),
+                                       ("sharded", "auto", "sharded"), ("split:8", "auto", "split:8"),
+                                       ("split_group:3", "auto", "split_group:3")):
+        model.sharded_override = override
+        runs[label] = loop.run_until_complete(generate(model, prompt, max_new_tokens=100, attention=attention))
+    model.sharded_override = None
     auto = runs["auto"]
     decode = [s for s in auto.stats if s.kind == "decode"]
     assert {s.nest for s in decode if s.context <= 256} == {"tiled"}
     assert {s.nest for s in decode if s.context > 256} == {"sharded"}
+    assert {s.variant for s in runs["split:8"].stats if s.context > 256} == {"split S=8"}
     switch = next(i for i, s in enumerate(decode) if s.nest == "sharded")
     assert decode[switch].context == 257
     steps_past_switch = len(decode) - switch
     assert steps_past_switch >= 64
-    a, b = auto.token_ids, runs["tiled"].token_ids
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    assert first is None, f"greedy texts diverge at generated token {first}"
+    for label, run in runs.items():
+        first = next((i for i, (x, y) in enumerate(zip(run.token_ids, runs["tiled"].token_ids)) if x != y), None)
+        assert first is None, f"greedy text of {label} diverges from tiled at generated token {first}"
 
 
 def test_bad_requests_get_clear_errors(loop, gpu, library, tiny_dir):

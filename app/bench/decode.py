@@ -1,4 +1,5 @@
-"""`python -m app bench decode`: prefill and decode throughput of the whole model, auto vs tiled.
+"""`python -m app bench decode`: prefill and decode throughput of the whole model: auto, auto with the
+sharded family held to the unsplit sharded nest, and tiled forced.
 
 For each context C: the model is reset, a C-token prompt is prefilled (tokens/s), then --steps
 greedy decode steps run (tokens/s, and attention's share of the step from GPU timestamps).
@@ -14,7 +15,6 @@ import tempfile
 import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
-from model_glue.contract import NESTS
 from model_glue.model import MAX_PREFILL_CHUNK, LlamaModel
 from model_glue.webgpu import WgpuDevice
 
@@ -35,19 +35,24 @@ async def run_decode_bench(args) -> dict:
     weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"attention time: {'GPU timestamps' if device.has_timestamps else 'unavailable'}", flush=True)
-    print(f"{'context':>7} {'attention':>9} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
-          f"{'attn ms':>8} {'attn share':>10} {'nests':>14}")
+    print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
+          f"{'attn ms':>8} {'attn share':>10} {'ran':>16}")
     rng = random.Random(0)
+    # auto; auto with the sharded family held to the unsplit sharded nest; tiled forced.
+    modes = [("auto", None), ("auto", "sharded"), ("tiled", None)]
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers.
-    for attention in NESTS:
+    for attention, override in modes:
         model.reset()
-        token = await model.forward([rng.randrange(3, model.config.vocab_size) for _ in range(20)], attention)
+        model.sharded_override = override
+        token = await model.forward([rng.randrange(3, model.config.vocab_size) for _ in range(300)], attention)
         for _ in range(3):
             token = await model.forward([token], attention)
     rows = []
     for context in args.contexts:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
-        for attention in ("auto", "tiled"):
+        for attention, override in modes:
+            label = attention if override is None else f"{attention}:{override}"
+            model.sharded_override = override
             model.reset()
             started = time.perf_counter()
             token = None
@@ -61,16 +66,17 @@ async def run_decode_bench(args) -> dict:
             step_ms = sum(s.step_ms for s in steps) / len(steps)
             attn = [s.attention_ms for s in steps if s.attention_ms is not None]
             attn_ms = sum(attn) / len(attn) if attn else None
-            row = {"context": context, "attention": attention, "prefill_tok_s": round(context / prefill_s, 2),
+            row = {"context": context, "attention": label, "prefill_tok_s": round(context / prefill_s, 2),
                    "decode_tok_s": round(1000 / step_ms, 2), "step_ms": round(step_ms, 3),
                    "attention_ms": None if attn_ms is None else round(attn_ms, 4),
                    "attention_share": None if attn_ms is None else round(attn_ms / step_ms, 4),
-                   "nests": sorted({s.nest for s in steps})}
+                   "nests": sorted({s.variant for s in steps})}
             rows.append(row)
             share = "-" if attn_ms is None else f"{100 * attn_ms / step_ms:.1f}%"
-            print(f"{context:>7} {attention:>9} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.2f} "
+            print(f"{context:>7} {label:>12} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.2f} "
                   f"{step_ms:>8.2f} {('-' if attn_ms is None else f'{attn_ms:.3f}'):>8} {share:>10} "
-                  f"{','.join(row['nests']):>14}", flush=True)
+                  f"{','.join(row['nests']):>16}", flush=True)
+    model.sharded_override = None
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

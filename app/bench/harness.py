@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_glue.attention import attention_call
-from model_glue.contract import PAGE_SIZE
+from model_glue.attention import attention_call, attention_dispatches, split_workspace_bytes
+from model_glue.contract import MAX_SPLITS, PAGE_SIZE, AttentionShape
 
 
 def as_dtype(array, dtype: str):
@@ -16,10 +16,17 @@ def as_dtype(array, dtype: str):
 
 
 class DecodeCall:
-    """One paged decode-attention call bound to GPU buffers; dispatch it as often as you like."""
+    """One paged decode-attention call bound to GPU buffers; dispatch it as often as you like.
 
-    def __init__(self, device, kernel, inputs: dict, *, rotary_mode=0, rope_scale=1.0, rope_theta=1e4):
-        dtype = kernel.spec.meta["dtype"]
+    `kernel` is one nest's kernel, or, for a split variant, (partial, merge); `set_splits(S)`
+    re-cuts the context without rebinding.
+    """
+
+    def __init__(self, device, kernel, inputs: dict, *, rotary_mode=0, rope_scale=1.0, rope_theta=1e4,
+                 num_splits: int = 1):
+        kernels = list(kernel) if isinstance(kernel, (tuple, list)) else [kernel]
+        (q_dtype,) = [b.dtype for b in kernels[0].spec.buffers if b.name == "Q"]
+        dtype = q_dtype.split("x")[0]  # "float16x4": Q bound as 4-wide vectors
         q = as_dtype(inputs["q"], dtype)
         pages = as_dtype(inputs["pages"], dtype)
         batch, num_qo_heads, head_dim = q.shape
@@ -30,8 +37,13 @@ class DecodeCall:
             return device.storage_buffer(array.nbytes, array.tobytes())
 
         self.device = device
-        self.kernel = kernel
+        self.kernels = kernels
         self.out_shape = (batch, num_qo_heads, head_dim)
+        shape = AttentionShape(pages.shape[2], num_qo_heads, head_dim)
+        workspace = None
+        if len(kernels) > 1:
+            workspace = {name: device.storage_buffer(nbytes)
+                         for name, nbytes in split_workspace_bytes(batch * MAX_SPLITS, shape).items()}
         self.out_dtype = q.dtype
         self.buffers, values = attention_call(
             q=upload(q, q.dtype), pages=upload(pages, pages.dtype),
@@ -41,12 +53,34 @@ class DecodeCall:
             q_rope_position=upload(inputs.get("q_rope_position", np.zeros(batch))),
             output=device.storage_buffer(q.nbytes), lse=device.storage_buffer(batch * num_qo_heads * 4),
             batch=batch, nnz_pages=len(page_table_values), max_num_pages=pages.shape[0],
-            sm_scale=float(inputs["sm_scale"]), rotary_mode=rotary_mode, rope_scale=rope_scale, rope_theta=rope_theta)
-        self.bound = kernel.bind(self.buffers, values)
+            sm_scale=float(inputs["sm_scale"]), rotary_mode=rotary_mode, rope_scale=rope_scale, rope_theta=rope_theta,
+            workspace=workspace, num_splits=num_splits)
+        self.values = values
+        self.bound = [k.bind(b, v) for k, b, v in attention_dispatches(kernels, self.buffers, values)]
         self.kv_bytes = _kv_bytes_read(inputs, num_qo_heads, head_dim, q.itemsize)
 
+    def set_splits(self, num_splits: int) -> None:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}")
+        self.values = {**self.values, "num_splits": num_splits}
+        for bound in self.bound:
+            bound.update(self.values)
+
     def dispatch(self, batch, timestamps=None):
-        self.bound.dispatch(batch, timestamps)
+        if timestamps is None:
+            for bound in self.bound:
+                bound.dispatch(batch)
+            return
+        with batch.timed(timestamps):  # a split's partial and merge are timed together
+            for bound in self.bound:
+                bound.dispatch(batch)
+
+    def release(self) -> None:
+        """Free this call's GPU buffers and uniforms now."""
+        for bound in self.bound:
+            bound.release()
+        for buffer in self.buffers.values():
+            self.device.destroy(buffer)
 
     async def run(self):
         """Dispatch once and return (output, lse) as numpy arrays."""
