@@ -90,28 +90,26 @@ def tiled_query_heads_computed(spec, num_kv_heads: int) -> int:
     return bdy * (grid_y // num_kv_heads)
 
 
-def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, page_size=PAGE_SIZE):
-    """The sequence-sharded nest (layout in the module docstring); same signature as tiled."""
+def check_sharded_shape(num_kv_heads: int, num_qo_heads: int, head_dim: int) -> None:
+    """The sharded family keeps 64 dims per lane and 1-4 lanes per shard, and needs whole GQA groups."""
     if head_dim % LANE_DIMS or head_dim > 4 * LANE_DIMS:
         raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{num_qo_heads} query heads do not group over {num_kv_heads} KV heads")
-    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
-    GROUP_SIZE = H_qo // H_kv
-    LANES_PER_SHARD = D // LANE_DIMS
-    NUM_SHARDS = WORKGROUP_INVOCATIONS // LANES_PER_SHARD
-    # K, V and q are read as 4-wide vectors (one 8-byte f16 / 16-byte f32 load instead of four).
-    VEC = 4
-    VEC_DTYPE = f"{dtype}x{VEC}"
-    LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers
+
+
+def paged_row_helpers(head_dim: int, sliding_window: bool, page_size: int = PAGE_SIZE):
+    """Expression builders the sharded nest and its split variants share (run while TVMScript parses):
+
+    kv_len_of(indptr_begin, indptr_end, b, length_info)  rows a sequence attends to
+    seq_offset_of(pos, b, length_info)                   row -> slot: the first `sink` rows are the
+                                                         sink, the rest start at the window offset
+    rope4(x4, partner4, pos, chunk, rope_scale, rope_theta)  4 dims rotated at `pos` (rotate-half)
+    partner_chunk(chunk)                                 the chunk RoPE pairs with `chunk`
+    lane_sum(v4)                                         the 4 lanes of a vector added
+    """
+    D, VEC = head_dim, 4
     HALF_CHUNKS = D // 2 // VEC  # RoPE pairs dim d with d +- D/2 (TVM's rotate-half convention)
-    # Phase-2 merge: a stage of 2048 f32 (8 KiB) holds MERGE_SHARDS rows of D values.
-    MERGE_SHARDS = 2048 // D
-    MERGE_ROUNDS = NUM_SHARDS // MERGE_SHARDS
-    STAGE_STRIDE = D + 1
-    MERGE_SPLIT = WORKGROUP_INVOCATIONS // D  # threads that share one output dim
-    ROWS_PER_SPLIT = MERGE_SHARDS // MERGE_SPLIT
-    SPLIT_LANES = LANES_PER_SHARD > 1
 
     def kv_len_of(indptr_begin, indptr_end, b, length_info):
         num_pages = indptr_end - indptr_begin
@@ -125,11 +123,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
         return pos
 
     def rope4(x4, partner4, pos, chunk, rope_scale, rope_theta):
-        """Dims 4*chunk..4*chunk+3 of a vector rotated at `pos`, in f32x4.
-
-        partner4 holds dims d + D/2 (first half) or d - D/2 (second half); a chunk never straddles
-        D/2, so the sign of the rotation is one scalar per chunk.
-        """
+        """partner4 holds dims d + D/2 (first half) or d - D/2 (second half); a chunk never straddles
+        D/2, so the sign of the rotation is one scalar per chunk. Computed in f32x4."""
         first_half = chunk < HALF_CHUNKS
         freq_dim = T.Ramp(T.if_then_else(first_half, chunk, chunk - HALF_CHUNKS) * VEC, 1, VEC)
         inv_freq = T.exp2(T.Cast("float32x4", 2 * freq_dim) * (-T.log2(rope_theta) / T.float32(D)))
@@ -142,6 +137,30 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
 
     def lane_sum(v4):
         return T.Shuffle([v4], [0]) + T.Shuffle([v4], [1]) + T.Shuffle([v4], [2]) + T.Shuffle([v4], [3])
+
+    return kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum
+
+
+def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, page_size=PAGE_SIZE):
+    """The sequence-sharded nest (layout in the module docstring); same signature as tiled."""
+    check_sharded_shape(num_kv_heads, num_qo_heads, head_dim)
+    H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
+    GROUP_SIZE = H_qo // H_kv
+    LANES_PER_SHARD = D // LANE_DIMS
+    NUM_SHARDS = WORKGROUP_INVOCATIONS // LANES_PER_SHARD
+    # K, V and q are read as 4-wide vectors (one 8-byte f16 / 16-byte f32 load instead of four).
+    VEC = 4
+    VEC_DTYPE = f"{dtype}x{VEC}"
+    LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers
+    # Phase-2 merge: a stage of 2048 f32 (8 KiB) holds MERGE_SHARDS rows of D values.
+    MERGE_SHARDS = 2048 // D
+    MERGE_ROUNDS = NUM_SHARDS // MERGE_SHARDS
+    STAGE_STRIDE = D + 1
+    MERGE_SPLIT = WORKGROUP_INVOCATIONS // D  # threads that share one output dim
+    ROWS_PER_SPLIT = MERGE_SHARDS // MERGE_SPLIT
+    SPLIT_LANES = LANES_PER_SHARD > 1
+
+    kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum = paged_row_helpers(D, sliding_window, page_size)
 
     # fmt: off
     @T.prim_func(s_tir=True)

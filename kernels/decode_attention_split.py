@@ -74,7 +74,9 @@ import math
 
 from tvm.script import tirx as T
 
-from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS, PAGE_SIZE
+from kernels.decode_attention import check_sharded_shape, paged_row_helpers
+from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
+from model_glue.contract import PAGE_SIZE
 
 # As in kernels.decode_attention (the sharded nest this splits).
 LANE_DIMS = 64  # q and O dims each lane keeps in registers
@@ -98,10 +100,7 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
     sm_scale) plus the scalar `num_splits`; outputs partial_o and partial_stats (workspace).
     `group_heads`: one workgroup per (sequence, KV head, split) serving the whole GQA group.
     """
-    if head_dim % LANE_DIMS or head_dim > 4 * LANE_DIMS:
-        raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"{num_qo_heads} query heads do not group over {num_kv_heads} KV heads")
+    check_sharded_shape(num_kv_heads, num_qo_heads, head_dim)
     H_qo, H_kv, D = num_qo_heads, num_kv_heads, head_dim
     GROUP_SIZE = H_qo // H_kv
     HEADS = GROUP_SIZE if group_heads else 1  # query heads one workgroup serves (threadIdx.z)
@@ -112,7 +111,6 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
     INVOCATIONS = NUM_SHARDS * LANES_PER_SHARD * HEADS
     VEC_DTYPE = f"{dtype}x{VEC}"
     LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers
-    HALF_CHUNKS = D // 2 // VEC  # RoPE pairs dim d with d +- D/2 (TVM's rotate-half convention)
     SPLIT_LANES = LANES_PER_SHARD > 1
     SCORE_WORDS = HEADS * LANES_PER_SHARD * NUM_SHARDS
     # Merge phase 1: the shards' (max, denominator) pairs are combined in two levels, STAT_FAN
@@ -133,36 +131,7 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
     if ROUNDS_PER_HEAD < 1 or ROWS_PER_READER < 1:
         raise ValueError(f"group of {HEADS} heads does not fit the O merge stage at head_dim {D}")
 
-    def kv_len_of(indptr_begin, indptr_end, b, length_info):
-        num_pages = indptr_end - indptr_begin
-        if sliding_window:
-            return (num_pages - 1) * page_size + length_info[0, b] - length_info[1, b] + length_info[2, b]
-        return (num_pages - 1) * page_size + length_info[b]
-
-    def seq_offset_of(pos, b, length_info):
-        # Row -> slot: the first `sink` rows are the sink, the rest start at the window offset.
-        if sliding_window:
-            return T.if_then_else(pos < length_info[2, b], pos, pos - length_info[2, b] + length_info[1, b])
-        return pos
-
-    def rope4(x4, partner4, pos, chunk, rope_scale, rope_theta):
-        """Dims 4*chunk..4*chunk+3 of a vector rotated at `pos`, in f32x4 (as the sharded nest).
-
-        partner4 holds dims d + D/2 (first half) or d - D/2 (second half); a chunk never straddles
-        D/2, so the sign of the rotation is one scalar per chunk.
-        """
-        first_half = chunk < HALF_CHUNKS
-        freq_dim = T.Ramp(T.if_then_else(first_half, chunk, chunk - HALF_CHUNKS) * VEC, 1, VEC)
-        inv_freq = T.exp2(T.Cast("float32x4", 2 * freq_dim) * (-T.log2(rope_theta) / T.float32(D)))
-        angle = T.Broadcast(T.Cast("float32", pos) * rope_scale, VEC) * inv_freq
-        sign = T.if_then_else(first_half, T.float32(-1), T.float32(1))
-        return x4 * T.cos(angle) + T.Broadcast(sign, VEC) * partner4 * T.sin(angle)
-
-    def partner_chunk(chunk):
-        return T.if_then_else(chunk < HALF_CHUNKS, chunk + HALF_CHUNKS, chunk - HALF_CHUNKS)
-
-    def lane_sum(v4):
-        return T.Shuffle([v4], [0]) + T.Shuffle([v4], [1]) + T.Shuffle([v4], [2]) + T.Shuffle([v4], [3])
+    kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum = paged_row_helpers(D, sliding_window, page_size)
 
     # fmt: off
     @T.prim_func(s_tir=True)

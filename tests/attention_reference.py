@@ -394,3 +394,14 @@ if __name__ == "__main__":
     print(f"{n_cases} cases vs TVM _attention_decode_cpu (float32): "
           f"max rel L2 output {worst_o:.3e}, lse {worst_l:.3e}; empty-context exact; "
           f"{time.time() - t0:.1f}s")
+
+
+def wgsl_block(wgsl: str, header: str) -> str:
+    """The `{ ... }` block of WGSL that follows the first `header` (e.g. a loop), braces included."""
+    start = wgsl.index(header)
+    depth, i = 0, wgsl.index("{", start)
+    for j in range(i, len(wgsl)):
+        depth += {"{": 1, "}": -1}.get(wgsl[j], 0)
+        if depth == 0:
+            return wgsl[i:j + 1]
+    raise AssertionError("unbalanced braces")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from app.bench.harness import DecodeCall
-from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
+from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2, wgsl_block
 from model_glue.contract import NESTS, TEST_SHAPES, AttentionShape, attention_kernel_name
 from model_glue.attention import TILED_MAX_CONTEXT, context_length, pick_decode_nest, tiled_defect
 
@@ -139,13 +139,7 @@ def test_override_and_mixed_batch():
 # -- static checks on the built sharded WGSL --------------------------------------------------------
 def _context_loop_body(wgsl: str) -> str:
     """The text of the sharded kernel's loop over the context (`for (var trip ...) { ... }`)."""
-    start = wgsl.index("for (var trip")
-    depth, i = 0, wgsl.index("{", start)
-    for j in range(i, len(wgsl)):
-        depth += {"{": 1, "}": -1}.get(wgsl[j], 0)
-        if depth == 0:
-            return wgsl[i:j + 1]
-    raise AssertionError("unbalanced braces")
+    return wgsl_block(wgsl, "for (var trip")
 
 
 def test_sharded_wgsl_static_properties(library, artifact_dir):

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
+from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2, wgsl_block
 from kernels.build import build_kernel
 from app.bench.harness import DecodeCall
 from kernels.decode_attention_split import MASKED_SCORE, decode_attention_split_merge, decode_attention_split_partial
@@ -243,16 +243,6 @@ def test_workspace_bytes():
 
 
 # -- static checks on the built WGSL -------------------------------------------------------------------------
-def _loop_body(wgsl: str, header: str) -> str:
-    start = wgsl.index(header)
-    depth, i = 0, wgsl.index("{", start)
-    for j in range(i, len(wgsl)):
-        depth += {"{": 1, "}": -1}.get(wgsl[j], 0)
-        if depth == 0:
-            return wgsl[i:j + 1]
-    raise AssertionError("unbalanced braces")
-
-
 def test_wgsl_static_properties():
     for name, (entry, wgsl) in BUILT.items():
         spec = KernelSpec.from_json(entry)
@@ -267,7 +257,7 @@ def test_wgsl_static_properties():
         if "_grp" not in name:
             assert spec.invocations == 256, name
         assert len(spec.buffers) == 9, name  # as the sharded nest: the adapter must offer 9 (ask for 10)
-        body = _loop_body(wgsl, "for (var trip")
+        body = wgsl_block(wgsl, "for (var trip")
         # two row steps per trip: one barrier per row with split lanes, none at head_dim 64
         assert body.count("workgroupBarrier()") == (2 if head_dim > 64 else 0), name
         # no division by the runtime num_splits inside the row loop
