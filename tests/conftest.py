@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import sys
@@ -88,21 +89,35 @@ CHROMIUM_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def browser(tmp_path_factory):
-    """Debian's chromium (never a Playwright download), fresh profile, WebGPU on SwiftShader."""
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
+@contextlib.contextmanager
+def chromium(profile_dir):
+    """Debian's chromium (never a Playwright download), a fresh profile, WebGPU on SwiftShader."""
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
         pytest.fail("Debian's chromium is not installed: run `make test`, which installs it")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")),
-            executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
-        )
+        context = pw.chromium.launch_persistent_context(str(profile_dir), executable_path=path, headless=True,
+                                                        args=CHROMIUM_FLAGS)
         yield context
         context.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One Chromium per test module: a module's GPU state (hundreds of compiled pipelines, a
+    deliberately broken shader) never reaches the next module's pages."""
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
+
+
+@pytest.fixture
+def fresh_browser(tmp_path_factory):
+    """A Chromium of its own, for a test that breaks the page on purpose (a shader that does not
+    compile once left SwiftShader's renderer crashing on the next page load)."""
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def open_page(browser, url: str, ready: str, timeout_ms: int, before_load=None):

@@ -47,7 +47,7 @@ def tab(browser, server):
     ("artifacts/tiny_chat/tokenizer.json", "truncated", "cannot load the tokenizer"),
     ("artifacts/kernels/tiny_chat_rms_norm_f32.wgsl", "truncated", "WGSL of tiny_chat_rms_norm_f32 rejected"),
 ])
-def test_a_broken_artifact_is_named_at_load(browser, server, path, fault, expected):
+def test_a_broken_artifact_is_named_at_load(fresh_browser, server, path, fault, expected):
     def break_it(tab):
         def handle(route):
             if fault == "404":
@@ -56,7 +56,7 @@ def test_a_broken_artifact_is_named_at_load(browser, server, path, fault, expect
                 route.fulfill(status=200, body=route.fetch().body()[:1000])
         tab.route(f"**/{path}", handle)
 
-    tab = chat_page(browser, server, break_it)
+    tab = chat_page(fresh_browser, server, break_it)
     try:
         error = tab.evaluate("window.demoState.error")
         assert error and expected in error, error
