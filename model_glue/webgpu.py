@@ -28,6 +28,7 @@ KERNEL_LIMITS = (
 BUFFER_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize")  # weights and long KV caches
 REQUESTED_LIMITS = KERNEL_LIMITS + BUFFER_LIMITS
 OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+LOST_WAIT_MS = 200
 
 
 def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
@@ -76,6 +77,10 @@ class Device:
         lowered = adapter_name.lower()
         self.is_cpu = any(word in lowered for word in ("llvmpipe", "lavapipe", "swiftshader", "(cpu)"))
         self.lost_reason: str | None = None  # set once the device is lost
+
+    async def _settle_lost(self) -> None:
+        """Let a pending device-lost notification arrive before a failure is classified."""
+        await asyncio.sleep(0)
 
     def _lost(self, err: Exception) -> Exception:
         """`err` as a DeviceLostError when the device is gone, else unchanged."""
@@ -131,7 +136,7 @@ class Device:
             batch.submit()
             data = await self._map_read(staging, size)
         except Exception as err:
-            await asyncio.sleep(0)  # a pending device-lost notification arrives first
+            await self._settle_lost()  # a device-lost notification may still be on its way
             raise self._lost(err) from err
         finally:
             self.destroy(staging)
@@ -382,6 +387,18 @@ class BrowserDevice(Device):
 
     def _on_lost(self, info) -> None:
         self.lost_reason = f"{info.reason}: {info.message}" if info.message else str(info.reason)
+
+    async def _settle_lost(self) -> None:
+        # A failed mapAsync and the device's `lost` promise settle in no fixed order: wait for
+        # `lost` a little (LOST_WAIT_MS) before deciding whether the device is gone.
+        import js
+        from pyodide.ffi import create_once_callable
+
+        timer = js.Promise.new(create_once_callable(
+            lambda resolve, reject: js.setTimeout(create_once_callable(lambda: resolve(None)), LOST_WAIT_MS)))
+        info = await js.Promise.race(js.Array.of(self._device.lost, timer))
+        if info is not None and self.lost_reason is None:
+            self._on_lost(info)
 
     def _create_buffer(self, size, usage):
         return self._device.createBuffer(_js({"size": size, "usage": usage}))

@@ -185,8 +185,12 @@ async function reply(app) {
     bubble.append(meta);
     window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason };
   } catch (err) {
-    bubble.remove();
     giveBack();
+    if (window.demoState.deviceLost) {  // reported by the device's `lost` promise: keep what was shown
+      bubble.classList.add("interrupted");
+      return;
+    }
+    bubble.remove();
     chatError(`Generation failed: ${errorText(err)}`);
   } finally {
     setBusy(false);
