@@ -289,6 +289,7 @@ class LlamaModel:
             run(k[f"{role}_{phase}"], buffers)
 
         x, x_mid = buf["x_a"], buf["x_b"]
+        workspace = {name: buf[name] for name in SPLIT_WORKSPACE}  # the same for every layer
         run(k["embed"], {"ids": buf["ids"], "q8": w["embed.q8"], "scale": w["embed.scale"], "out": x})
         for layer in range(c.n_layers):
             p = f"layers.{layer}"
@@ -305,7 +306,7 @@ class LlamaModel:
                 length_info=buf["last_len"], k_rope_pos_offset=buf["zeros"], q_rope_position=buf["zeros"],
                 output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
                 max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
-                workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
+                workspace=workspace, num_splits=choice.num_splits)
             with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if stamps is not None else nullcontext():
                 for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                     run(kernel, kernel_buffers, values, per_step=True)
