@@ -6,10 +6,13 @@ Runs unchanged in the page (Pyodide) and in the native CLI (`python -m app gener
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from dataclasses import asdict
 
+from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.contract import NESTS
-from model_glue.model import STOPPED_IN_PREFILL, LlamaModel, ModelError, generate
+from model_glue.model import STOPPED_IN_PREFILL, Generation, LlamaModel, ModelError, generate
 from model_glue.tokenizer import BPETokenizer, format_chat
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -52,30 +55,45 @@ class ChatSession:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(format_chat(messages, add_generation_prompt=True))
 
-    async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
-                    on_text=None, on_step=None, on_prefill=None) -> dict:
-        """Add a user message, generate the assistant's reply (streamed through on_text)."""
+    def _checked_prompt(self, user_text: str) -> list[dict]:
         text = (user_text or "").strip()
         if not text:
             raise ModelError("the message is empty")
         if len(text) > MAX_MESSAGE_CHARS:
             raise ModelError(f"the message has {len(text)} characters; the limit is {MAX_MESSAGE_CHARS}")
-        messages = self.messages + [{"role": "user", "content": text}]
+        return self.messages + [{"role": "user", "content": text}]
+
+    async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
+                    reuse_cache: bool = True, on_text=None, on_step=None, on_prefill=None) -> dict:
+        """Add a user message, generate the assistant's reply (streamed through on_text).
+
+        With `reuse_cache` (the default) only the tokens after the conversation's cached prefix
+        are prefilled; the reply's `speed` says how many that was.
+        """
+        started = time.perf_counter()  # time to first token counts tokenizing too
+        messages = self._checked_prompt(user_text)
         ids = self.prompt_ids(messages)
         if len(ids) + max_new_tokens > self.model.config.max_context:
+            self.model.reset()
             raise ModelError(f"the conversation is {len(ids)} tokens; with {max_new_tokens} new tokens it "
                              f"exceeds the model's context of {self.model.config.max_context}. Start a new chat.")
-        result = await self._run(ids, max_new_tokens, attention, on_text, on_step, on_prefill)
+        result = await self._run(ids, max_new_tokens, attention, on_text, on_step, on_prefill,
+                                 reuse_cache=reuse_cache, started=started)
         if result["stop_reason"] != STOPPED_IN_PREFILL:
             self.messages = messages + [{"role": "assistant", "content": result["text"]}]
         return result
 
-    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None, on_prefill=None) -> dict:
+    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None, on_prefill=None, *,
+                   reuse_cache=False, forced_ids=None, started=None) -> dict:
+        started = time.perf_counter() if started is None else started
         self._stop_requested = False
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         pieces: list[str] = []
+        first_token_at = []
 
         async def on_token(token_id: int):
+            if not first_token_at:
+                first_token_at.append(time.perf_counter())
             if on_step is not None:
                 on_step(asdict(self.model.stats[-1]))
             piece = decoder.push(token_id)
@@ -85,25 +103,28 @@ class ChatSession:
                     on_text(piece)
 
         gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                             attention=attention, on_token=on_token, on_prefill=on_prefill,
-                             should_stop=lambda: self._stop_requested)
+                             attention=attention, reuse_cache=reuse_cache, forced_ids=forced_ids,
+                             on_token=on_token, on_prefill=on_prefill, should_stop=lambda: self._stop_requested)
         tail = decoder.flush()
         if tail:
             pieces.append(tail)
             if on_text is not None:
                 on_text(tail)
+        ttft_ms = (first_token_at[0] - started) * 1e3 if first_token_at else None
         return {"text": "".join(pieces), "token_ids": gen.token_ids, "prompt_tokens": len(ids),
-                "stop_reason": gen.stop_reason, "stats": [asdict(s) for s in gen.stats]}
+                "stop_reason": gen.stop_reason, "speed": speed_figures(gen, ttft_ms),
+                "stats": [asdict(s) for s in gen.stats]}
 
     async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, on_progress=None) -> dict:
         """The same prompt greedily through each nest: texts, first divergence, timing curves.
 
-        The conversation so far is the context; the compared replies are not added to it.
+        Each nest prefills the whole prompt (no cache reuse, so their timings are comparable).
+        Teacher-forced agreement feeds the sharded nest the tiled run's tokens and counts how often
+        its top-1 equals the tiled token; while the texts are identical the sharded run already was
+        fed those tokens, so the extra run happens only after a divergence. The conversation so far
+        is the context; the compared replies are not added to it.
         """
-        text = (user_text or "").strip()
-        if not text:
-            raise ModelError("the message is empty")
-        ids = self.prompt_ids(self.messages + [{"role": "user", "content": text}])
+        ids = self.prompt_ids(self._checked_prompt(user_text))
         runs = {}
         for nest in NESTS:
             if on_progress is not None:
@@ -113,4 +134,38 @@ class ChatSession:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):
             first = min(len(a), len(b))
-        return {"runs": runs, "first_divergence": first, "identical": first is None}
+        forced = b
+        if first is not None and a:
+            if on_progress is not None:
+                on_progress("sharded, fed the tiled tokens,")
+            forced = (await self._run(ids, len(a), "sharded", None, forced_ids=a))["token_ids"]
+        matches = sum(x == y for x, y in zip(a, forced))
+        return {"runs": runs, "first_divergence": first, "identical": first is None,
+                "teacher_forced": {"steps": len(a), "matches": matches,
+                                   "match_rate": matches / len(a) if a else None},
+                "past_switch": attention_past_switch(runs)}
+
+
+def speed_figures(gen: Generation, ttft_ms: float | None) -> dict:
+    """What WebLLM reports per reply: time to first token, prefill and decode tokens per second."""
+    return {
+        "ttft_ms": ttft_ms,
+        "reused_tokens": gen.reused_tokens,
+        "prefill_tokens": gen.prefill_tokens,
+        "prefill_tok_s": gen.prefill_tokens / (gen.prefill_ms / 1e3) if gen.prefill_ms > 0 and gen.token_ids else None,
+        "decode_tokens": gen.decode_steps,
+        "decode_tok_s": gen.decode_steps / (gen.decode_ms / 1e3) if gen.decode_steps and gen.decode_ms > 0 else None,
+    }
+
+
+def attention_past_switch(runs: dict) -> dict:
+    """Median attention ms per nest over decode steps whose context is past the tiled nest's range."""
+    medians = {}
+    for nest, run in runs.items():
+        times = [s["attention_ms"] for s in run["stats"]
+                 if s["kind"] == "decode" and s["context"] > TILED_MAX_CONTEXT and s["attention_ms"] is not None]
+        medians[nest] = statistics.median(times) if times else None
+    tiled, sharded = medians.get("tiled"), medians.get("sharded")
+    return {"steps": {nest: sum(1 for s in run["stats"] if s["kind"] == "decode" and s["context"] > TILED_MAX_CONTEXT)
+                      for nest, run in runs.items()},
+            "median_attention_ms": medians, "speedup": tiled / sharded if tiled and sharded else None}

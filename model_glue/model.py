@@ -78,6 +78,13 @@ class PagedKVCache:
         self.pages.clear()
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (their slots are simply written again later)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        del self.pages[(length + PAGE_SIZE - 1) // PAGE_SIZE:]
+        self.length = length
+
     def reserve(self, new_tokens: int) -> list[int]:
         """Physical slots (page * 16 + offset) for the next `new_tokens` positions."""
         slots = []
@@ -113,6 +120,7 @@ class LlamaModel:
         self.config_name = config_name
         self.esize = DTYPE_BYTES[dtype]
         self.kv = PagedKVCache(device, config, self.esize)
+        self.cached_ids: list[int] = []  # the token ids whose K/V the cache holds, in order
         self.kernels: dict = {}
         self.attention: dict = {}
         self._scratch_tokens = 0
@@ -226,6 +234,7 @@ class LlamaModel:
         self._ensure_scratch(n)
         start = self.kv.length
         slots = self.kv.reserve(n)
+        self.cached_ids.extend(token_ids)
         contexts = [start + i + 1 for i in range(n)]  # causal: token i sees the prefix through itself
         try:
             nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
@@ -325,7 +334,13 @@ class LlamaModel:
 
     def reset(self) -> None:
         self.kv.reset()
+        self.cached_ids.clear()
         self.stats.clear()
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (a new turn reuses that prefix)."""
+        self.kv.truncate(length)
+        del self.cached_ids[length:]
 
     async def read_logits(self) -> bytes:
         """The last pass's logits as raw f32 bytes (tests compare them with a reference)."""
@@ -379,46 +394,86 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     stop_reason: str = ""
     stats: list[StepStats] = field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens whose K/V were already in the cache (not prefilled again)
+    prefill_tokens: int = 0  # prompt tokens prefilled by this call
+    prefill_ms: float = 0.0  # wall time from the call to the first token (prefill passes and their readback)
+    decode_ms: float = 0.0  # wall time of the decode steps (one per generated token after the first)
+
+    @property
+    def decode_steps(self) -> int:
+        return max(len(self.token_ids) - 1, 0)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=(),
-                   attention: str = "auto", on_token=None, on_prefill=None,
-                   should_stop=lambda: False) -> Generation:
+                   attention: str = "auto", reuse_cache: bool = False, forced_ids=None, on_token=None,
+                   on_prefill=None, should_stop=lambda: False) -> Generation:
     """Greedy generation: prefill the prompt (in chunks), then one decode step per token.
 
-    `should_stop` is asked between prefill chunks and after every token: a stop during prefill
-    ends with no tokens and stop_reason STOPPED_IN_PREFILL. `on_prefill(done, total)` reports
-    prompt tokens prefilled so far.
+    With `reuse_cache`, the cache keeps its longest prefix shared with `prompt_ids` and only the
+    rest is prefilled (a chat's next turn); at least the last prompt token always runs, since its
+    logits give the first new token. `should_stop` is asked between prefill chunks and after
+    every token: a stop during prefill ends with no tokens and stop_reason STOPPED_IN_PREFILL.
+    `on_prefill(done, total)` reports prompt tokens prefilled so far. With `forced_ids`
+    (teacher forcing) step i is fed forced_ids[i - 1] instead of its own prediction, and the run
+    makes exactly len(forced_ids) predictions; `token_ids` holds the predictions.
     """
+    started = time.perf_counter()
     result = Generation()
-    model.reset()
+    model.stats.clear()
     if not prompt_ids:
         raise ModelError("the prompt is empty")
     if len(prompt_ids) + max_new_tokens > model.config.max_context:
+        model.reset()  # the next request starts from an empty cache
         raise ModelError(f"prompt ({len(prompt_ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
                          f"context of {model.config.max_context} tokens; shorten the conversation")
+    keep = min(common_prefix(model.cached_ids, prompt_ids), len(prompt_ids) - 1) if reuse_cache else 0
+    model.rollback(keep)
+    result.reused_tokens, result.prefill_tokens = keep, len(prompt_ids) - keep
+    try:
+        await _run_generation(model, prompt_ids[keep:], result, max_new_tokens, stop_ids, attention,
+                              forced_ids, on_token, on_prefill, should_stop, started)
+    except BaseException:
+        model.reset()  # a pass that failed midway leaves the cache's contents unknown
+        raise
+    result.stats = list(model.stats)
+    return result
+
+
+async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, attention, forced_ids, on_token,
+                          on_prefill, should_stop, started) -> None:
     next_id = None
-    for chunk_start in range(0, len(prompt_ids), MAX_PREFILL_CHUNK):
+    for chunk_start in range(0, len(new_ids), MAX_PREFILL_CHUNK):
         if should_stop():
             result.stop_reason = STOPPED_IN_PREFILL
-            result.stats = list(model.stats)
-            return result
-        next_id = await model.forward(prompt_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention)
+            return
+        next_id = await model.forward(new_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention)
         if on_prefill is not None:
-            on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(prompt_ids)), len(prompt_ids))
+            on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(new_ids)), len(new_ids))
+    decode_started = time.perf_counter()
+    result.prefill_ms = (decode_started - started) * 1e3
     while True:
         result.token_ids.append(next_id)
+        result.decode_ms = (time.perf_counter() - decode_started) * 1e3
         if on_token is not None:
             await on_token(next_id)
-        if next_id in stop_ids:
+        if forced_ids is None and next_id in stop_ids:
             result.stop_reason = "stop token"
             break
-        if len(result.token_ids) >= max_new_tokens:
+        if len(result.token_ids) >= (max_new_tokens if forced_ids is None else len(forced_ids)):
             result.stop_reason = "max tokens"
             break
         if should_stop():
             result.stop_reason = STOPPED_BY_USER
             break
-        next_id = await model.forward([next_id], attention)
-    result.stats = list(model.stats)
-    return result
+        fed = next_id if forced_ids is None else forced_ids[len(result.token_ids) - 1]
+        next_id = await model.forward([fed], attention)

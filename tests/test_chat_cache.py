@@ -1,0 +1,129 @@
+"""Multi-turn KV reuse (natively, wgpu/lavapipe): a new turn prefills only what the cache lacks,
+and its logits equal both the numpy reference and a full re-prefill's."""
+
+import numpy as np
+import pytest
+from conftest import STATIC
+
+from app.chat import ChatSession
+from convert.weights import load_artifact_weights, write_random_artifact
+from model_glue.artifact import folder_readers
+from model_glue.contract import MODEL_CONFIGS
+from model_glue.model import LlamaModel, ModelError, generate
+from model_reference import ReferenceLlama
+from test_model import LOGIT_TOLERANCE, logits_of, rel_l2
+
+TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
+DTYPE = "float32"  # lavapipe has no shader-f16; the f16 bound is the same test with a looser tolerance
+# Two prefills of the same ids over different chunkings differ only in summation order.
+SAME_IDS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(loop, gpu, library, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama_cache")
+    write_random_artifact("tiny_llama", folder, seed=5)
+    read_text, read_bytes = folder_readers(folder)
+    model = loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype=DTYPE))
+    config, weights = load_artifact_weights(folder)
+    return model, ReferenceLlama(config, weights)
+
+
+def prefill_logits(loop, model, ids, reuse_cache):
+    """Run `ids` with max_new_tokens=1 (prefill only) and return the last position's logits."""
+    result = loop.run_until_complete(generate(model, ids, max_new_tokens=1, reuse_cache=reuse_cache))
+    return result, logits_of(loop, model)
+
+
+def reference_logits(reference, ids):
+    reference.reset()
+    return reference.forward(ids, 0)[-1]
+
+
+def test_a_new_turn_prefills_only_the_new_tokens_and_matches_a_full_prefill(loop, tiny):
+    model, reference = tiny
+    rng = np.random.default_rng(7)
+    turn1 = [int(t) for t in rng.integers(3, TINY_VOCAB, 50)]
+    first = loop.run_until_complete(generate(model, turn1, max_new_tokens=12))
+    assert model.cached_ids == turn1 + first.token_ids[:-1]  # the last id was never fed back
+    # turn 2: the whole first turn, its reply, then new tokens
+    turn2 = turn1 + first.token_ids + [int(t) for t in rng.integers(3, TINY_VOCAB, 30)]
+    reused, got = prefill_logits(loop, model, turn2, reuse_cache=True)
+    kept = len(turn1) + len(first.token_ids) - 1
+    assert reused.reused_tokens == kept and reused.prefill_tokens == len(turn2) - kept
+    assert sum(s.tokens for s in reused.stats if s.kind == "prefill") == len(turn2) - kept
+    want = reference_logits(reference, turn2)
+    assert rel_l2(got, want) < LOGIT_TOLERANCE[DTYPE]
+    full, again = prefill_logits(loop, model, turn2, reuse_cache=False)
+    assert full.reused_tokens == 0 and full.prefill_tokens == len(turn2)
+    assert rel_l2(got, again) < SAME_IDS_TOLERANCE
+
+
+def test_a_prompt_that_diverges_rolls_back_to_the_common_prefix(loop, tiny):
+    model, reference = tiny
+    rng = np.random.default_rng(8)
+    base = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
+    loop.run_until_complete(generate(model, base + [11, 12, 13], max_new_tokens=5))
+    # the same first 40 tokens, then other ones (as when the template re-tokenizes a reply)
+    changed = base + [21, 22, 23, 24]
+    result, got = prefill_logits(loop, model, changed, reuse_cache=True)
+    assert result.reused_tokens == 40 and result.prefill_tokens == 4
+    assert model.cached_ids == changed and model.kv.length == len(changed)
+    assert rel_l2(got, reference_logits(reference, changed)) < LOGIT_TOLERANCE[DTYPE]
+    # a prompt wholly inside the cache still runs its last token (its logits give the next one)
+    result, got = prefill_logits(loop, model, changed[:30], reuse_cache=True)
+    assert result.reused_tokens == 29 and result.prefill_tokens == 1
+    assert rel_l2(got, reference_logits(reference, changed[:30])) < LOGIT_TOLERANCE[DTYPE]
+
+
+def test_rolling_back_across_a_page_boundary_rewrites_the_right_slots(loop, tiny):
+    model, reference = tiny
+    rng = np.random.default_rng(9)
+    ids = [int(t) for t in rng.integers(3, TINY_VOCAB, 70)]
+    loop.run_until_complete(generate(model, ids, max_new_tokens=1))
+    pages_before = list(model.kv.pages)
+    other = ids[:33] + [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]  # diverges on the 3rd page
+    result, got = prefill_logits(loop, model, other, reuse_cache=True)
+    assert result.reused_tokens == 33
+    assert model.kv.pages == pages_before[:len(model.kv.pages)]  # the kept pages stay where they were
+    assert rel_l2(got, reference_logits(reference, other)) < LOGIT_TOLERANCE[DTYPE]
+
+
+# -- the chat session (SmolLM2's tokenizer and chat template, tiny random weights) ------------
+@pytest.fixture(scope="module")
+def tiny_chat(loop, gpu, library):
+    return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(STATIC / "artifacts" / "tiny_chat"),
+                                                    dtype=DTYPE, max_context=512))
+
+
+def test_chat_turns_reuse_the_conversation_and_new_chat_resets_it(loop, tiny_chat):
+    chat = tiny_chat
+    chat.reset()
+    first = loop.run_until_complete(chat.reply("Hello there.", max_new_tokens=8))
+    assert first["speed"]["reused_tokens"] == 0 and first["speed"]["prefill_tokens"] == first["prompt_tokens"]
+    second = loop.run_until_complete(chat.reply("And then?", max_new_tokens=8))
+    speed = second["speed"]
+    # everything up to the first reply's text is reused (its end-of-turn tokens may be re-tokenized)
+    assert speed["reused_tokens"] >= first["prompt_tokens"]
+    assert speed["prefill_tokens"] == second["prompt_tokens"] - speed["reused_tokens"]
+    assert speed["ttft_ms"] > 0 and speed["prefill_tok_s"] > 0
+    assert speed["decode_tok_s"] is None or speed["decode_tok_s"] > 0
+    # the same turn without reuse gives the same greedy text
+    history = list(chat.messages[:2])
+    chat.messages = history
+    again = loop.run_until_complete(chat.reply("And then?", max_new_tokens=8, reuse_cache=False))
+    assert again["token_ids"] == second["token_ids"]
+    assert again["speed"]["reused_tokens"] == 0
+    chat.reset()
+    assert chat.model.cached_ids == [] and chat.model.kv.length == 0
+
+
+def test_a_context_full_error_resets_the_cache(loop, tiny_chat):
+    chat = tiny_chat
+    chat.reset()
+    loop.run_until_complete(chat.reply("Hello there.", max_new_tokens=4))
+    assert chat.model.cached_ids
+    with pytest.raises(ModelError, match="exceeds the model's context of 512"):
+        loop.run_until_complete(chat.reply("Tell me more.", max_new_tokens=500))
+    assert chat.model.cached_ids == [] and chat.model.kv.length == 0
+    chat.reset()
