@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from model_glue.contract import NEST_CHOICES
+from model_glue.contract import MAX_TOP_K, NEST_CHOICES
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
@@ -37,9 +37,13 @@ def main(argv=None) -> int:
     convert.add_argument("--random", metavar="CONFIG",
                          help="write random weights of a kernel config (e.g. tiny_chat) with the GGUF's tokenizer")
 
-    gen = sub.add_parser("generate", help="chat-formatted greedy generation, natively (wgpu)")
+    gen = sub.add_parser("generate", help="one chat turn, natively (wgpu); greedy unless --temperature > 0")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample on the GPU")
+    gen.add_argument("--top-k", type=int, default=40, help=f"sample among the k most likely tokens (1..{MAX_TOP_K})")
+    gen.add_argument("--top-p", type=float, default=1.0, help="then keep the smallest set holding this probability")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: a fresh one, printed)")
     gen.add_argument("--attention", choices=NEST_CHOICES, default="auto")
     gen.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                      help="activation/KV dtype (auto: float16 where the adapter has shader-f16)")

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.contract import NESTS
-from model_glue.model import STOPPED_IN_PREFILL, Generation, LlamaModel, ModelError, generate
+from model_glue.model import GREEDY, STOPPED_IN_PREFILL, Generation, LlamaModel, ModelError, Sampling, generate
 from model_glue.tokenizer import BPETokenizer, format_chat
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -64,7 +64,8 @@ class ChatSession:
         return self.messages + [{"role": "user", "content": text}]
 
     async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
-                    reuse_cache: bool = True, on_text=None, on_step=None, on_prefill=None) -> dict:
+                    sampling: Sampling = GREEDY, reuse_cache: bool = True, on_text=None, on_step=None,
+                    on_prefill=None) -> dict:
         """Add a user message, generate the assistant's reply (streamed through on_text).
 
         With `reuse_cache` (the default) only the tokens after the conversation's cached prefix
@@ -78,13 +79,13 @@ class ChatSession:
             raise ModelError(f"the conversation is {len(ids)} tokens; with {max_new_tokens} new tokens it "
                              f"exceeds the model's context of {self.model.config.max_context}. Start a new chat.")
         result = await self._run(ids, max_new_tokens, attention, on_text, on_step, on_prefill,
-                                 reuse_cache=reuse_cache, started=started)
+                                 sampling=sampling, reuse_cache=reuse_cache, started=started)
         if result["stop_reason"] != STOPPED_IN_PREFILL:
             self.messages = messages + [{"role": "assistant", "content": result["text"]}]
         return result
 
     async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None, on_prefill=None, *,
-                   reuse_cache=False, forced_ids=None, started=None) -> dict:
+                   sampling=GREEDY, reuse_cache=False, forced_ids=None, started=None) -> dict:
         started = time.perf_counter() if started is None else started
         self._stop_requested = False
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -103,7 +104,7 @@ class ChatSession:
                     on_text(piece)
 
         gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                             attention=attention, reuse_cache=reuse_cache, forced_ids=forced_ids,
+                             attention=attention, sampling=sampling, reuse_cache=reuse_cache, forced_ids=forced_ids,
                              on_token=on_token, on_prefill=on_prefill, should_stop=lambda: self._stop_requested)
         tail = decoder.flush()
         if tail:
@@ -112,11 +113,11 @@ class ChatSession:
                 on_text(tail)
         ttft_ms = (first_token_at[0] - started) * 1e3 if first_token_at else None
         return {"text": "".join(pieces), "token_ids": gen.token_ids, "prompt_tokens": len(ids),
-                "stop_reason": gen.stop_reason, "speed": speed_figures(gen, ttft_ms),
+                "stop_reason": gen.stop_reason, "seed": gen.seed, "speed": speed_figures(gen, ttft_ms),
                 "stats": [asdict(s) for s in gen.stats]}
 
     async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, on_progress=None) -> dict:
-        """The same prompt greedily through each nest: texts, first divergence, timing curves.
+        """The same prompt greedily (always) through each nest: texts, first divergence, timing curves.
 
         Each nest prefills the whole prompt (no cache reuse, so their timings are comparable).
         Teacher-forced agreement feeds the sharded nest the tiled run's tokens and counts how often

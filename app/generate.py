@@ -7,7 +7,7 @@ import sys
 
 from app.chat import ChatSession
 from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
-from model_glue.model import ModelError
+from model_glue.model import ModelError, Sampling
 from model_glue.webgpu import DeviceLostError, WebGPUUnavailable, WgpuDevice
 
 
@@ -20,6 +20,15 @@ def format_stats_table(stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_speed(speed: dict) -> str:
+    """Time to first token, prefill and decode tokens/s, as WebLLM reports them."""
+    def rate(value):
+        return "-" if value is None else f"{value:.1f}"
+    ttft = "-" if speed["ttft_ms"] is None else f"{speed['ttft_ms']:.0f} ms"
+    return (f"TTFT {ttft}, prefill {speed['prefill_tokens']} tokens at {rate(speed['prefill_tok_s'])} tok/s"
+            f" ({speed['reused_tokens']} reused), decode {rate(speed['decode_tok_s'])} tok/s")
+
+
 async def run_generate(args) -> int:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     try:
@@ -29,13 +38,16 @@ async def run_generate(args) -> int:
                                       dtype=None if args.dtype == "auto" else args.dtype,
                                       progress=lambda m: print(f"[{m}]", file=sys.stderr))
         print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, attention=args.attention,
-                                  on_text=lambda piece: print(piece, end="", flush=True))
+                                  sampling=sampling, on_text=lambda piece: print(piece, end="", flush=True))
     except (ModelError, ArtifactError, WebGPUUnavailable, DeviceLostError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print()
-    print(f"[{result['stop_reason']}; prompt {result['prompt_tokens']} tokens, {len(result['token_ids'])} generated]",
-          file=sys.stderr)
+    speed = result["speed"]
+    seed = "" if result["seed"] is None else f"; seed {result['seed']}"
+    print(f"[{result['stop_reason']}; prompt {result['prompt_tokens']} tokens, {len(result['token_ids'])} generated"
+          f"{seed}; {format_speed(speed)}]", file=sys.stderr)
     print(format_stats_table(result["stats"]))
     return 0

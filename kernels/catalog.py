@@ -14,7 +14,7 @@ from kernels import llama
 from kernels.decode_attention import decode_attention_sharded, decode_attention_tiled
 from kernels.decode_attention_split import decode_attention_split_merge, decode_attention_split_partial
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (BENCH_SHAPES, DTYPES, LLAMA_ROLES, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
+from model_glue.contract import (BENCH_SHAPES, DTYPES, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
                                  PREFILL_TOKENS_PER_GROUP, SPLIT_VARIANTS, TEST_SHAPES,
                                  TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig,
                                  attention_kernel_name, model_kernel_name, split_merge_kernel_name)
@@ -25,6 +25,7 @@ BUILDERS = {
     "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
+    "sample_top_k_top_p": llama.sample_top_k_top_p,
 }
 
 
@@ -98,6 +99,8 @@ def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
         return (c.vocab_size, c.dim, dtype, "q8", 1, False, "float32")
     if role == "argmax":
         return (c.vocab_size,)
+    if role == "sample":
+        return (c.vocab_size, MAX_TOP_K)
     matrix, phase = role.rsplit("_", 1)
     tokens = 1 if phase == "decode" else PREFILL_TOKENS_PER_GROUP
     out_in = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),

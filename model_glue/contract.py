@@ -170,12 +170,14 @@ LLAMA_ROLES = {
     "swiglu": KernelRole("swiglu", ("gate_up", "h")),
     "lm_head": KernelRole("quantized_matmul", ("x", "w", "scale", "y")),  # q8, tied embedding
     "argmax": KernelRole("argmax", ("logits", "out")),
+    "sample": KernelRole("sample_top_k_top_p", ("logits", "out")),  # top-k, top-p, temperature
     # decode (one token per pass) and prefill (PREFILL_TOKENS_PER_GROUP tokens per workgroup)
     **{f"{matrix}_{phase}": KernelRole("quantized_matmul", buffers)
        for phase in ("decode", "prefill")
        for matrix, buffers in (("qkv", _MATMUL), ("o", _MATMUL_RESIDUAL),
                                ("gate_up", _MATMUL), ("down", _MATMUL_RESIDUAL))},
 }
+MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)
 PREFILL_TOKENS_PER_GROUP = 8  # tokens one prefill matmul workgroup serves (each weight read once per 8)
 
 

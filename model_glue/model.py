@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import struct
 import time
 from array import array
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
                                   pick_sharded_variant, split_workspace_bytes, tiled_defect)
-from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MODEL_ARTIFACT_FORMAT,
+from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MAX_TOP_K, MODEL_ARTIFACT_FORMAT,
                                  MODEL_ARTIFACT_KIND, MODEL_CONFIGS, NESTS, PAGE_SIZE, SHARDED_VARIANTS,
                                  SPLIT_VARIANTS, SPLIT_WORKSPACE, LlamaConfig, attention_kernel_name, model_kernel_name,
                                  split_merge_kernel_name)
@@ -36,6 +37,32 @@ STOPPED_IN_PREFILL = "stopped during prefill"
 
 class ModelError(RuntimeError):
     """A problem with the model artifact or a request, in words a user can act on."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy (temperature 0, the default), or drawn on the GPU from
+    the top_k most likely tokens, cut to the smallest set holding top_p of their probability."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh seed, reported in the result so the text can be redrawn
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self) -> None:
+        if not 0 <= self.temperature <= 100:
+            raise ModelError(f"temperature must be between 0 (greedy) and 100, not {self.temperature}")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ModelError(f"top-k must be between 1 and {MAX_TOP_K}, not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ModelError(f"top-p must be in (0, 1], not {self.top_p}")
+
+
+GREEDY = Sampling()
 
 
 @dataclass
@@ -222,8 +249,10 @@ class LlamaModel:
         self._scratch_tokens = n
 
     # -- one forward pass -----------------------------------------------------------------------
-    async def forward(self, token_ids: list[int], attention: str = "auto") -> int:
-        """Run `token_ids` (appended to the cache) and return the greedy next token id."""
+    async def forward(self, token_ids: list[int], attention: str = "auto", sampling: Sampling = GREEDY,
+                      draw: float = 0.0) -> int:
+        """Run `token_ids` (appended to the cache) and return the next token id: the argmax, or
+        with a non-greedy `sampling` the token that `draw` (uniform in [0, 1)) picks."""
         started = time.perf_counter()  # the step time covers encoding, GPU work and readback
         c = self.config
         n = len(token_ids)
@@ -255,7 +284,7 @@ class LlamaModel:
 
         stamps = self._stamps
         batch = dev.batch()
-        self._encode_forward(batch, n, choice, len(page_ids), stamps)
+        self._encode_forward(batch, n, choice, len(page_ids), stamps, sampling, draw)
         if stamps is not None:
             batch.resolve(stamps)
         batch.submit()
@@ -271,12 +300,14 @@ class LlamaModel:
                                     attention_ms, step_ms, note))
         return next_id
 
-    def _encode_forward(self, batch, n: int, choice: AttentionChoice, nnz_pages: int, stamps) -> None:
+    def _encode_forward(self, batch, n: int, choice: AttentionChoice, nnz_pages: int, stamps, sampling: Sampling,
+                        draw: float) -> None:
         """The whole forward pass as kernel dispatches (bound per pass: shapes change with n)."""
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
         tokens = {"n": n}
-        plan = self._decode_plans.setdefault(choice.variant, DispatchPlan()) if n == 1 else None
+        picker = "argmax" if sampling.greedy else "sample"
+        plan = self._decode_plans.setdefault(f"{choice.variant}/{picker}", DispatchPlan()) if n == 1 else None
         attention = [self.attention[choice.variant]]
         if choice.variant in SPLIT_VARIANTS:
             attention.append(self.attention["split_merge"])  # combines the S partial results
@@ -330,7 +361,12 @@ class LlamaModel:
         run(k["rms_norm"], {"x": buf["last"], "weight": w["final_norm"], "out": buf["last_normed"]}, {"n": 1})
         run(k["lm_head"], {"x": buf["last_normed"], "w": w["embed.q8"], "scale": w["embed.scale"],
                            "y": buf["logits"]}, {"n": 1})
-        run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+        if sampling.greedy:
+            run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+        else:  # the draw changes every step
+            run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]},
+                {"top_k": sampling.top_k, "temperature": sampling.temperature, "top_p": sampling.top_p, "draw": draw},
+                per_step=True)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -394,6 +430,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     stop_reason: str = ""
     stats: list[StepStats] = field(default_factory=list)
+    seed: int | None = None  # the sampling seed used (None: greedy)
     reused_tokens: int = 0  # prompt tokens whose K/V were already in the cache (not prefilled again)
     prefill_tokens: int = 0  # prompt tokens prefilled by this call
     prefill_ms: float = 0.0  # wall time from the call to the first token (prefill passes and their readback)
@@ -415,9 +452,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=(),
-                   attention: str = "auto", reuse_cache: bool = False, forced_ids=None, on_token=None,
-                   on_prefill=None, should_stop=lambda: False) -> Generation:
-    """Greedy generation: prefill the prompt (in chunks), then one decode step per token.
+                   attention: str = "auto", sampling: Sampling = GREEDY, reuse_cache: bool = False,
+                   forced_ids=None, on_token=None, on_prefill=None, should_stop=lambda: False) -> Generation:
+    """Prefill the prompt (in chunks), then one decode step per token, each token chosen by
+    `sampling` (greedy by default; a seeded sampling run is reproducible).
 
     With `reuse_cache`, the cache keeps its longest prefix shared with `prompt_ids` and only the
     rest is prefilled (a chat's next turn); at least the last prompt token always runs, since its
@@ -432,16 +470,21 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
     model.stats.clear()
     if not prompt_ids:
         raise ModelError("the prompt is empty")
+    sampling.check()
     if len(prompt_ids) + max_new_tokens > model.config.max_context:
         model.reset()  # the next request starts from an empty cache
         raise ModelError(f"prompt ({len(prompt_ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
                          f"context of {model.config.max_context} tokens; shorten the conversation")
+    draws = None
+    if not sampling.greedy:
+        result.seed = random.randrange(2**31) if sampling.seed is None else sampling.seed
+        draws = random.Random(result.seed)
     keep = min(common_prefix(model.cached_ids, prompt_ids), len(prompt_ids) - 1) if reuse_cache else 0
     model.rollback(keep)
     result.reused_tokens, result.prefill_tokens = keep, len(prompt_ids) - keep
     try:
         await _run_generation(model, prompt_ids[keep:], result, max_new_tokens, stop_ids, attention,
-                              forced_ids, on_token, on_prefill, should_stop, started)
+                              sampling, draws, forced_ids, on_token, on_prefill, should_stop, started)
     except BaseException:
         model.reset()  # a pass that failed midway leaves the cache's contents unknown
         raise
@@ -449,14 +492,19 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
     return result
 
 
-async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, attention, forced_ids, on_token,
-                          on_prefill, should_stop, started) -> None:
+async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, attention, sampling, draws, forced_ids,
+                          on_token, on_prefill, should_stop, started) -> None:
+    def draw() -> float:
+        return 0.0 if draws is None else draws.random()
+
     next_id = None
     for chunk_start in range(0, len(new_ids), MAX_PREFILL_CHUNK):
         if should_stop():
             result.stop_reason = STOPPED_IN_PREFILL
             return
-        next_id = await model.forward(new_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention)
+        last_chunk = chunk_start + MAX_PREFILL_CHUNK >= len(new_ids)  # only its token is kept, and drawn
+        next_id = await model.forward(new_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention,
+                                      sampling if last_chunk else GREEDY, draw() if last_chunk else 0.0)
         if on_prefill is not None:
             on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(new_ids)), len(new_ids))
     decode_started = time.perf_counter()
@@ -476,4 +524,4 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, atte
             result.stop_reason = STOPPED_BY_USER
             break
         fed = next_id if forced_ids is None else forced_ids[len(result.token_ids) - 1]
-        next_id = await model.forward([fed], attention)
+        next_id = await model.forward([fed], attention, sampling, draw())
