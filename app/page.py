@@ -83,12 +83,24 @@ class Session:
         return {n: base64.b64encode(await self.device.read(gpu_buffers[n], size)).decode() for n, size in outputs.items()}
 
 
-async def open_chat(session: Session, base_url: str, progress, max_context: int = 4096):
-    """Load the model artifact (weights + tokenizer) served under base_url into a ChatSession."""
+async def open_chat(session: Session, base_url: str, progress, max_context: int = 4096, weights=None):
+    """Load the model artifact (weights + tokenizer) served under base_url into a ChatSession.
+
+    `weights` is the weights file the page already fetched (a JS Uint8Array: it streams the
+    download with a progress bar and keeps it in the browser's cache); the tensors' sha256 are
+    still checked here, as natively.
+    """
     from app.chat import ChatSession
     from model_glue.artifact import http_readers
 
-    return await ChatSession.load(session.device, session.library, http_readers(base_url),
+    read_text, read_bytes = http_readers(base_url)
+    if weights is not None:
+        fetched = weights.to_bytes()  # one copy into Python's memory
+
+        async def read_bytes(name: str) -> bytes:  # noqa: F811 (the page's copy replaces the fetch)
+            return fetched
+
+    return await ChatSession.load(session.device, session.library, (read_text, read_bytes),
                                   max_context=max_context, progress=progress)
 
 
@@ -115,14 +127,30 @@ def _failure(err: Exception) -> str | None:
     return None
 
 
-async def chat_reply(chat, text: str, max_new_tokens: int, attention: str, on_text, on_step, on_prefill) -> str:
+def sampling_from_json(settings: str):
+    """The page's sampling controls ({"temperature", "top_k", "top_p", "seed"}) as a Sampling."""
+    import json
+
+    from model_glue.model import ModelError, Sampling
+
+    values = json.loads(settings or "{}")
+    try:
+        seed = values.get("seed")
+        return Sampling(temperature=float(values.get("temperature", 0)), top_k=int(values.get("top_k", 40)),
+                        top_p=float(values.get("top_p", 1)), seed=None if seed in (None, "") else int(seed))
+    except (TypeError, ValueError) as err:
+        raise ModelError(f"bad sampling setting: {err}") from err
+
+
+async def chat_reply(chat, text: str, max_new_tokens: int, attention: str, sampling: str, on_text, on_step,
+                     on_prefill) -> str:
     """One chat turn; streams text pieces, per-step stats (JSON) and prefill progress to JS callbacks."""
     import json
 
     try:
         result = await chat.reply(text, max_new_tokens=int(max_new_tokens), attention=attention,
-                                  on_text=on_text, on_step=lambda stats: on_step(json.dumps(stats)),
-                                  on_prefill=on_prefill)
+                                  sampling=sampling_from_json(sampling), on_text=on_text,
+                                  on_step=lambda stats: on_step(json.dumps(stats)), on_prefill=on_prefill)
     except Exception as err:
         failure = _failure(err)
         if failure is None:

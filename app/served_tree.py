@@ -11,9 +11,12 @@ import hashlib
 import json
 from pathlib import Path
 
+from model_glue.contract import MODEL_ARTIFACT_FORMAT
+
 PROJECT_PACKAGE = "sharded-decode-demo"  # the name the page passes to pyodide.loadPackage
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip")
-PAGE_FILES = ("index.html", "main.js", "style.css", "favicon.svg")
+PAGE_FILES = ("index.html", "main.js", "charts.js", "weights_cache.js", "export.js", "style.css", "favicon.svg",
+              "long_document.txt")
 MODELS = ("smollm2", "tiny_chat")
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -58,6 +61,9 @@ def _check_model(folder: Path, problems: list[str]) -> None:
     manifest = _read_json(folder / "manifest.json", problems, "run `make setup` (python -m app convert)")
     if manifest is None:
         return
+    if manifest.get("format") != MODEL_ARTIFACT_FORMAT:
+        problems.append(f"{folder}: model artifact format {manifest.get('format')}, the runtime reads "
+                        f"{MODEL_ARTIFACT_FORMAT} (run `make setup` (python -m app convert))")
     weights = folder / manifest.get("weights_file", "weights.bin")
     if not weights.exists() or weights.stat().st_size != manifest.get("total_bytes"):
         problems.append(f"{weights} is missing or not {manifest.get('total_bytes')} bytes "

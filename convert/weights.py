@@ -158,6 +158,7 @@ def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
     tmp_weights = out / (WEIGHTS_FILE + ".tmp")
     entries: dict[str, dict] = {}
     offset = 0
+    whole = hashlib.sha256()  # of the whole file: the page caches the weights under it
     with open(tmp_weights, "wb") as fh:
         for name, arr in tensors:
             if name in entries:
@@ -168,8 +169,10 @@ def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
             pad = (-offset) % ALIGN
             if pad:
                 fh.write(b"\0" * pad)
+                whole.update(b"\0" * pad)
                 offset += pad
             fh.write(data)
+            whole.update(data)
             entries[name] = {"offset": offset, "nbytes": len(data), "dtype": dtype,
                              "shape": [int(s) for s in arr.shape],
                              "sha256": hashlib.sha256(data).hexdigest()}
@@ -177,7 +180,8 @@ def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
     os.replace(tmp_weights, out / WEIGHTS_FILE)
     manifest = {"format": MODEL_ARTIFACT_FORMAT, "kind": MODEL_ARTIFACT_KIND, "config_name": config_name,
                 "config": config.to_dict(), "source": source,
-                "tensors": entries, "weights_file": WEIGHTS_FILE, "total_bytes": offset}
+                "tensors": entries, "weights_file": WEIGHTS_FILE, "total_bytes": offset,
+                "weights_sha256": whole.hexdigest()}
     tmp_manifest = out / (MANIFEST + ".tmp")
     tmp_manifest.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp_manifest, out / MANIFEST)

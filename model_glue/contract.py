@@ -33,7 +33,7 @@ MAX_SPLITS = 64  # the most splits the host picks (the workspace is sized for it
 # -- artifacts -------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 KERNEL_ARTIFACT_FORMAT = 2  # 2: typed KernelSpec entries (no `scalars`), roles checked at build
-MODEL_ARTIFACT_FORMAT = 2  # 2: the manifest names its config (`config_name`)
+MODEL_ARTIFACT_FORMAT = 3  # 2: the manifest names its config; 3: and the weights file's sha256 (the page's cache key)
 MODEL_ARTIFACT_KIND = "llama-q4"  # Q4_1 matrices, Q8_0 tied embedding (convert/gguf.py documents the packing)
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILE = "tokenizer.json"

@@ -185,7 +185,7 @@ class LlamaModel:
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
             "the largest activation buffer": max(cls.scratch_sizes(config, esize, MAX_PREFILL_CHUNK).values()),
         })
-        progress(f"downloading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
+        progress(f"reading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
         try:
             blob = await read_bytes(manifest["weights_file"])
         except OSError as err:
@@ -193,7 +193,7 @@ class LlamaModel:
         if len(blob) != manifest["total_bytes"]:
             raise ModelError(f"weights file has {len(blob)} bytes, the manifest says {manifest['total_bytes']}"
                              " (incomplete download or corrupted artifact)")
-        progress("checking and uploading weights")
+        progress("checking each tensor's sha256 and uploading it to the GPU")
         view = memoryview(blob)
         weights = {}
         for name, t in manifest["tensors"].items():
@@ -250,9 +250,10 @@ class LlamaModel:
 
     # -- one forward pass -----------------------------------------------------------------------
     async def forward(self, token_ids: list[int], attention: str = "auto", sampling: Sampling = GREEDY,
-                      draw: float = 0.0) -> int:
+                      draw: float = 0.0, kind: str | None = None) -> int:
         """Run `token_ids` (appended to the cache) and return the next token id: the argmax, or
-        with a non-greedy `sampling` the token that `draw` (uniform in [0, 1)) picks."""
+        with a non-greedy `sampling` the token that `draw` (uniform in [0, 1)) picks. `kind`
+        labels the pass in the stats (default: "prefill" for several tokens, else "decode")."""
         started = time.perf_counter()  # the step time covers encoding, GPU work and readback
         c = self.config
         n = len(token_ids)
@@ -296,7 +297,7 @@ class LlamaModel:
             attention_ms = sum(spans) / 1e6
             note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
         step_ms = (time.perf_counter() - started) * 1e3
-        self.stats.append(StepStats("prefill" if n > 1 else "decode", n, contexts[-1], nest, str(choice),
+        self.stats.append(StepStats(kind or ("prefill" if n > 1 else "decode"), n, contexts[-1], nest, str(choice),
                                     attention_ms, step_ms, note))
         return next_id
 
@@ -504,7 +505,8 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, atte
             return
         last_chunk = chunk_start + MAX_PREFILL_CHUNK >= len(new_ids)  # only its token is kept, and drawn
         next_id = await model.forward(new_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention,
-                                      sampling if last_chunk else GREEDY, draw() if last_chunk else 0.0)
+                                      sampling if last_chunk else GREEDY, draw() if last_chunk else 0.0,
+                                      kind="prefill")
         if on_prefill is not None:
             on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(new_ids)), len(new_ids))
     decode_started = time.perf_counter()

@@ -2,6 +2,9 @@
 // (app/page.py, app/chat.py). Everything comes from this origin: the page works offline.
 // Text from the model or the user is only ever set through textContent, never as HTML.
 import { loadPyodide } from "./pyodide/pyodide.mjs";
+import { COLORS, drawSteps } from "./charts.js";
+import { download, stepsCsv, stepsJson } from "./export.js";
+import { cacheAvailable, cachedModels, clearCachedModels, loadWeights } from "./weights_cache.js";
 
 const $ = (id) => document.getElementById(id);
 const progress = $("progress");
@@ -10,9 +13,20 @@ const MAX_CONTEXT = Number(params.get("context") || 4096);
 // ?model=tiny_chat loads random weights behind the same tokenizer (fast page tests on CPU WebGPU).
 const MODEL = params.get("model") || "smollm2";
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M" : `${MODEL} (random weights)`;
-const COLORS = { tiled: "#5aa2ff", sharded: "#ffa04d" };
+const SWITCH_AT = 256;  // the host's tiled -> sharded switch (model_glue.attention.TILED_MAX_CONTEXT)
+const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
 
-window.demoState = { ready: false, chatReady: false, busy: false, steps: [], deviceLost: null };
+// steps: this conversation's live per-step stats (the overlay); replies: every finished reply or
+// comparison run with its speed figures and complete step table (the export).
+window.demoState = { ready: false, chatReady: false, busy: false, steps: [], replies: [], deviceLost: null,
+  longTasks: [] };
+
+// Main-thread tasks over 50 ms (the browser's definition), to check that a reply keeps the page usable.
+try {
+  new PerformanceObserver((list) => {
+    for (const e of list.getEntries()) window.demoState.longTasks.push({ start: e.startTime, duration: e.duration });
+  }).observe({ type: "longtask", buffered: true });
+} catch { /* no Long Tasks API: nothing recorded */ }
 
 // A Python exception reaches JS as a PythonError whose message is the whole traceback: show its
 // last line, without the module path of the exception class.
@@ -31,12 +45,18 @@ function step(text) {
   progress.append(li);
 }
 
-function finishSteps() {
+function finishSteps(summary) {
   for (const li of progress.querySelectorAll("li.active")) li.className = "done";
+  if (summary) {  // folds the status list away once the model is ready
+    $("status-summary").textContent = summary;
+    $("status-details").open = false;
+  }
 }
 
 function fail(message) {
   for (const li of progress.querySelectorAll("li.active")) li.className = "";
+  $("status-details").open = true;
+  $("status-summary").textContent = "failed";
   $("error").textContent = message;
   $("error").hidden = false;
   window.demoState.error = message;
@@ -63,32 +83,20 @@ function showAdapter(device, probe) {
   $("adapter-panel").hidden = false;
 }
 
-// -- charts -----------------------------------------------------------------------------------
-function drawSteps(canvas, series) {
-  // series: [{nest, points: [{x, y}]}]; one polyline per series, points coloured by nest.
-  const ctx = canvas.getContext("2d");
-  const w = canvas.width, h = canvas.height, pad = 24;
-  ctx.clearRect(0, 0, w, h);
-  const all = series.flatMap((s) => s.points);
-  if (!all.length) return;
-  const minX = Math.min(...all.map((p) => p.x)), maxX = Math.max(...all.map((p) => p.x), minX + 1);
-  const maxY = Math.max(...all.map((p) => p.y), 1e-3);
-  ctx.strokeStyle = "#888"; ctx.fillStyle = "#aaa"; ctx.font = "10px monospace";
-  ctx.beginPath(); ctx.moveTo(pad, 4); ctx.lineTo(pad, h - pad); ctx.lineTo(w - 4, h - pad); ctx.stroke();
-  ctx.fillText(`${maxY.toFixed(2)} ms`, pad + 2, 12);
-  ctx.fillText(`context ${minX}`, pad + 2, h - 8);
-  ctx.fillText(`${maxX}`, w - 40, h - 8);
-  for (const s of series) {
-    ctx.beginPath();
-    s.points.forEach((p, i) => {
-      const X = pad + ((p.x - minX) / (maxX - minX)) * (w - pad - 6), Y = h - pad - (p.y / maxY) * (h - pad - 8);
-      ctx.fillStyle = COLORS[p.nest] || "#ccc";
-      ctx.fillRect(X - 1.5, Y - 1.5, 3, 3);
-      i ? ctx.lineTo(X, Y) : ctx.moveTo(X, Y);
-    });
-    ctx.strokeStyle = s.stroke || "#999";
-    ctx.stroke();
-  }
+// -- overlay and speed figures ---------------------------------------------------------------
+const fmt = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
+
+function speedText(speed) {
+  const ttft = speed.ttft_ms === null ? "–" : `${Math.round(speed.ttft_ms)} ms`;
+  return `TTFT ${ttft} · prefill ${speed.prefill_tokens} tok (${speed.reused_tokens} reused) at ` +
+    `${fmt(speed.prefill_tok_s)} tok/s · decode ${fmt(speed.decode_tok_s)} tok/s`;
+}
+
+function drawOverlayChart() {
+  const points = window.demoState.steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
+    .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
+  window.demoState.overlayChart = drawSteps($("overlay-chart"), [{ label: "this chat", color: "#777", points }],
+    { switchAt: SWITCH_AT });
 }
 
 function updateOverlay(stats) {
@@ -98,10 +106,28 @@ function updateOverlay(stats) {
   $("overlay-last").textContent =
     `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · step ${stats.step_ms.toFixed(1)} ms`;
   $("overlay-note").textContent = stats.timing_note || "";
-  const points = steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
-    .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
-  drawSteps($("overlay-chart"), [{ points, stroke: "#666" }]);
+  drawOverlayChart();
   $("overlay").hidden = false;
+}
+
+// A finished reply (or comparison run): its speed and full step table go into the export.
+function recordRun(label, result) {
+  window.demoState.replies.push({ reply: label, speed: result.speed, seed: result.seed ?? null,
+    stop_reason: result.stop_reason, stats: result.stats });
+  $("export-csv").disabled = false; $("export-json").disabled = false;
+}
+
+function exportSteps(app, format) {
+  const replies = window.demoState.replies;
+  const stamp = new Date().toISOString().replace(/[:.]/g, "-");
+  if (format === "csv") {
+    download(`decode-steps-${stamp}.csv`, stepsCsv(replies), "text/csv");
+  } else {
+    const device = window.demoState.device;
+    const about = { model: MODEL_LABEL, adapter: device.adapter, backend: device.backend,
+      dtype: app.chat.model.dtype, max_context: MAX_CONTEXT, switch_at: SWITCH_AT };
+    download(`decode-steps-${stamp}.json`, stepsJson(replies, about), "application/json");
+  }
 }
 
 // -- chat -------------------------------------------------------------------------------------
@@ -123,6 +149,28 @@ function setBusy(busy) {
   const blocked = busy || window.demoState.deviceLost !== null;
   $("send").disabled = blocked; $("compare").disabled = blocked;
   $("stop").disabled = !busy;
+}
+
+// Ends a reply's bubble: its token ids when the text shows nothing, then count, stop reason, speed.
+function finishReply(bubble, body, result) {
+  if (!result.text.trim()) {  // nothing visible (e.g. only whitespace or special tokens): show the ids
+    body.textContent = result.text;
+    const ids = document.createElement("span");
+    ids.className = "ids";
+    ids.textContent = `(no visible text; token ids: ${result.token_ids.join(" ")})`;
+    bubble.append(ids);
+  }
+  const meta = document.createElement("span");
+  meta.className = "meta";
+  const seed = result.seed === null ? "" : ` · seed ${result.seed}`;
+  meta.textContent = `${result.token_ids.length} tokens · ${result.stop_reason}${seed} · ${speedText(result.speed)}`;
+  bubble.append(meta);
+}
+window.demoUI = { finishReply, addMessage };  // for the page tests
+
+function samplingSettings() {
+  return JSON.stringify({ temperature: Number($("temperature").value) || 0, top_k: Number($("top-k").value),
+    top_p: Number($("top-p").value), seed: $("seed").value === "" ? null : Number($("seed").value) });
 }
 
 function showPrefill(done, total) {
@@ -156,8 +204,8 @@ async function reply(app) {
   const giveBack = () => { if (!$("prompt").value) $("prompt").value = text; };
   try {
     const json = await app.page.chat_reply(app.chat, text, Number($("max-tokens").value) || 128,
-      $("attention").value, (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)),
-      showPrefill);
+      $("attention").value, samplingSettings(), (piece) => { body.textContent += piece; },
+      (s) => updateOverlay(JSON.parse(s)), showPrefill);
     const result = JSON.parse(json);
     if (result.device_lost) {
       // Keep what was shown (the partial reply too) and the typed text; offer a reload.
@@ -179,11 +227,11 @@ async function reply(app) {
       window.demoState.lastReply = { text: "", stop_reason: result.stop_reason };
       return;
     }
-    const meta = document.createElement("span");
-    meta.className = "meta";
-    meta.textContent = `${result.token_ids.length} tokens · ${result.stop_reason}`;
-    bubble.append(meta);
-    window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason };
+    finishReply(bubble, body, result);
+    $("overlay-speed").textContent = speedText(result.speed);
+    recordRun(`chat ${window.demoState.replies.filter((r) => r.reply.startsWith("chat")).length + 1}`, result);
+    window.demoState.lastReply = { text: result.text, stop_reason: result.stop_reason, speed: result.speed,
+      seed: result.seed, token_ids: result.token_ids, prompt_tokens: result.prompt_tokens };
   } catch (err) {
     giveBack();
     if (window.demoState.deviceLost) {  // reported by the device's `lost` promise: keep what was shown
@@ -223,17 +271,55 @@ async function compareNests(app) {
     $("compare-verdict").textContent = result.identical
       ? "Identical greedy text."
       : `Texts first differ at generated token ${result.first_divergence}.`;
+    showCompareFigures(result);
     const series = Object.keys(result.runs).map((nest) => ({
-      stroke: COLORS[nest],
+      label: nest === "tiled" ? "tiled nest" : "sharded family", color: COLORS[nest],
       points: result.runs[nest].stats.filter((s) => s.kind === "decode" && s.attention_ms !== null)
         .map((s) => ({ x: s.context, y: s.attention_ms, nest })),
     }));
-    drawSteps($("compare-chart"), series);
-    window.demoState.lastCompare = { identical: result.identical, first_divergence: result.first_divergence };
+    window.demoState.compareChart = drawSteps($("compare-chart"), series, { switchAt: SWITCH_AT });
+    const n = window.demoState.replies.filter((r) => r.reply.startsWith("compare")).length / 2 + 1;
+    for (const nest of Object.keys(result.runs)) recordRun(`compare ${n} ${nest}`, result.runs[nest]);
+    window.demoState.lastCompare = { identical: result.identical, first_divergence: result.first_divergence,
+      teacher_forced: result.teacher_forced, past_switch: result.past_switch,
+      prompt_tokens: result.runs.tiled.prompt_tokens };
   } catch (err) {
     chatError(`Comparison failed: ${errorText(err)}`);
   } finally {
     setBusy(false);
+  }
+}
+
+function showCompareFigures(result) {
+  const forced = result.teacher_forced, past = result.past_switch;
+  const agreement = forced.steps
+    ? `${(100 * forced.match_rate).toFixed(1)}% (${forced.matches} of ${forced.steps} steps: the sharded family ` +
+      "fed the tiled run's tokens picks the same top-1)"
+    : "no generated steps";
+  const med = past.median_attention_ms;
+  const speedup = past.speedup === null
+    ? `no decode steps past ${SWITCH_AT} tokens of context (try Long document)` + (med.tiled === null && past.steps.tiled
+      ? "; this adapter has no GPU timestamps" : "")
+    : `tiled ${fmt(med.tiled, 3)} ms, sharded ${fmt(med.sharded, 3)} ms: ${past.speedup.toFixed(2)}x faster ` +
+      `(median over ${past.steps.sharded} steps)`;
+  const dl = $("compare-figures");
+  dl.replaceChildren();
+  for (const [k, v] of [["prompt", `${result.runs.tiled.prompt_tokens} tokens`], ["teacher-forced agreement", agreement],
+                        [`attention past ${SWITCH_AT} tokens`, speedup]]) {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v;
+    dl.append(dt, dd);
+  }
+}
+
+async function fillLongDocument() {
+  try {
+    const response = await fetch(new URL("./long_document.txt", location.href));
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    $("prompt").value = (await response.text()).trim() + LONG_DOCUMENT_QUESTION;
+    chatError("");
+  } catch (err) {
+    chatError(`Cannot load the long document: ${errorText(err)}`);
   }
 }
 
@@ -259,9 +345,49 @@ async function openSession(page) {
   return { session, device: session.device.describe().toJs({ dict_converter: Object.fromEntries }) };
 }
 
+const MiB = (bytes) => (bytes / 2 ** 20).toFixed(1);
+
+// Fetches the weights (from the browser's cache when it holds this exact file) with a progress
+// bar, then hands them to Python, which checks every tensor and uploads it.
 async function loadChat(page, session) {
-  return page.open_chat(session, new URL(`./artifacts/${MODEL}`, location.href).href,
-    (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT);
+  const base = new URL(`./artifacts/${MODEL}`, location.href).href;
+  const response = await fetch(`${base}/manifest.json`);
+  if (!response.ok) {
+    throw new Error(`cannot fetch ${base}/manifest.json (HTTP ${response.status}); run \`make setup\` on the server`);
+  }
+  const manifest = await response.json();
+  if (!manifest.weights_sha256) {
+    throw new Error(`the ${MODEL} artifact predates this page (no weights_sha256); run \`make setup\` on the server`);
+  }
+  step(`${MODEL_LABEL}: weights (${MiB(manifest.total_bytes)} MiB)…`);
+  const bar = $("load-bar"), label = $("load-text");
+  $("load-progress").hidden = false;
+  const stages = { cache: "reading from the browser cache", download: "downloading", verify: "checking sha256" };
+  const weights = await loadWeights(`${base}/${manifest.weights_file}`, manifest.weights_sha256, manifest.total_bytes,
+    ({ stage, received, total }) => {
+      bar.max = total; bar.value = received;
+      label.textContent = `${stages[stage]}: ${MiB(received)} / ${MiB(total)} MiB`;
+    });
+  $("load-progress").hidden = true;
+  window.demoState.weights = { source: weights.source, dropped: weights.dropped };
+  step(`${MODEL_LABEL}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
+       `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
+  await showCache();
+  return page.open_chat(session, base, (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT,
+    weights.bytes);
+}
+
+async function showCache() {
+  if (!cacheAvailable()) {
+    $("cache-info").textContent = "This page cannot cache the model here (the Cache API needs https or localhost).";
+    return;
+  }
+  const entries = await cachedModels();
+  const bytes = entries.reduce((sum, e) => sum + e.bytes, 0);
+  $("cache-info").textContent = entries.length
+    ? `Browser cache: ${entries.length} model weights file(s), ${MiB(bytes)} MiB.`
+    : "Browser cache: empty (the next load downloads the weights).";
+  $("clear-cache").hidden = !entries.length;
 }
 
 async function reloadModel(app) {
@@ -278,7 +404,7 @@ async function reloadModel(app) {
     window.demoState.deviceLost = null;
     $("device-lost").hidden = true;
     step("Ready again: the model is reloaded and the conversation kept.");
-    finishSteps();
+    finishSteps("ready again");
     setBusy(false);
   } catch (err) {
     $("device-lost-text").textContent = `Reloading failed: ${errorText(err)}`;
@@ -292,6 +418,10 @@ async function newChat(app) {
   app.page.new_chat(app.chat);
   $("messages").replaceChildren();
   window.demoState.steps = [];
+  window.demoState.replies = [];
+  $("export-csv").disabled = true; $("export-json").disabled = true;
+  $("overlay-speed").textContent = "";
+  drawOverlayChart();
   chatError("");
 }
 
@@ -313,7 +443,11 @@ async function boot() {
   showAdapter(device, probe);
   window.demo = { pyodide, page, session };
   window.demoState = { ...window.demoState, ready: true, device, probe };
-  if (params.get("model") === "off") { step("Ready (model not loaded: ?model=off)."); finishSteps(); return; }
+  if (params.get("model") === "off") {
+    step("Ready (model not loaded: ?model=off).");
+    finishSteps("ready (kernels only)");
+    return;
+  }
 
   if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
   step(`Loading ${MODEL_LABEL}…`);
@@ -321,8 +455,9 @@ async function boot() {
   const app = { page, session, chat };
   window.demo.chat = chat;
   watchDevice(app, session);
-  step(`Ready: ${MODEL_LABEL}, ${device.shader_f16 ? "f16" : "f32"} kernels, context up to ${MAX_CONTEXT} tokens.`);
-  finishSteps();
+  const ready = `${MODEL_LABEL}, ${device.shader_f16 ? "f16" : "f32"} kernels, context up to ${MAX_CONTEXT} tokens`;
+  step(`Ready: ${ready}.`);
+  finishSteps(`ready: ${ready} (click for the loading steps)`);
   $("chat-panel").hidden = false;
   $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); send(app); });
   $("prompt").addEventListener("keydown", (e) => {
@@ -332,6 +467,13 @@ async function boot() {
   $("compare").addEventListener("click", () => compare(app));
   $("new-chat").addEventListener("click", () => newChat(app));
   $("reload-model").addEventListener("click", () => reloadModel(app));
+  $("long-document").addEventListener("click", fillLongDocument);
+  $("export-csv").addEventListener("click", () => exportSteps(app, "csv"));
+  $("export-json").addEventListener("click", () => exportSteps(app, "json"));
+  $("clear-cache").addEventListener("click", async () => {
+    await clearCachedModels();
+    await showCache();
+  });
   window.demoState.chatReady = true;
 }
 

@@ -42,8 +42,9 @@ def tab(browser, server):
 
 # -- the artifact: missing, truncated, or not compiling ---------------------------------------------------
 @pytest.mark.parametrize("path,fault,expected", [
-    ("artifacts/tiny_chat/weights.bin", "404", "cannot download the weights: cannot fetch"),
-    ("artifacts/tiny_chat/weights.bin", "truncated", "weights file has 1000 bytes"),
+    ("artifacts/tiny_chat/weights.bin", "404", "cannot fetch"),
+    ("artifacts/tiny_chat/weights.bin", "truncated", "got 1000 of"),
+    ("artifacts/tiny_chat/weights.bin", "flipped", "does not match the sha256 in its manifest"),
     ("artifacts/tiny_chat/tokenizer.json", "truncated", "cannot load the tokenizer"),
     ("artifacts/kernels/tiny_chat_rms_norm_f32.wgsl", "truncated", "WGSL of tiny_chat_rms_norm_f32 rejected"),
 ])
@@ -52,6 +53,10 @@ def test_a_broken_artifact_is_named_at_load(fresh_browser, server, path, fault, 
         def handle(route):
             if fault == "404":
                 route.fulfill(status=404, body="not found")
+            elif fault == "flipped":  # the right size, one byte changed
+                body = bytearray(route.fetch().body())
+                body[len(body) // 2] ^= 0xFF
+                route.fulfill(status=200, body=bytes(body))
             else:
                 route.fulfill(status=200, body=route.fetch().body()[:1000])
         tab.route(f"**/{path}", handle)

@@ -73,6 +73,7 @@ def test_a_prompt_that_diverges_rolls_back_to_the_common_prefix(loop, tiny):
     # a prompt wholly inside the cache still runs its last token (its logits give the next one)
     result, got = prefill_logits(loop, model, changed[:30], reuse_cache=True)
     assert result.reused_tokens == 29 and result.prefill_tokens == 1
+    assert [s.kind for s in result.stats] == ["prefill"]  # a one-token prefill is still a prefill
     assert rel_l2(got, reference_logits(reference, changed[:30])) < LOGIT_TOLERANCE[DTYPE]
 
 

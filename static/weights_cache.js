@@ -1,0 +1,99 @@
+// The model's weights file, fetched once and kept in the browser's Cache API.
+//
+// The cache key is the file's URL plus the sha256 its manifest gives, so a re-converted model is a
+// new entry and never a stale hit. Every byte is checked against that sha256 whether it came from
+// the network or the cache: a cached copy that does not match is dropped and fetched again.
+// The download is streamed so the page can show bytes as they arrive.
+
+const CACHE_NAME = "sharded-decode-demo-weights";
+
+export const cacheAvailable = () => typeof caches !== "undefined" && !!(crypto && crypto.subtle);
+
+async function sha256Hex(bytes) {
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// Streams `url` into one Uint8Array of `totalBytes`, calling onBytes(received) as chunks arrive.
+async function download(url, totalBytes, onBytes) {
+  const response = await fetch(url);
+  if (!response.ok) {
+    throw new Error(`cannot fetch ${url} (HTTP ${response.status}); the server's artifact is incomplete: ` +
+                    "run `make setup` there, then reload");
+  }
+  const bytes = new Uint8Array(totalBytes);
+  const reader = response.body.getReader();
+  let received = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    if (received + value.length > totalBytes) {
+      throw new Error(`${url} is larger than the ${totalBytes} bytes its manifest gives (re-convert the model)`);
+    }
+    bytes.set(value, received);
+    received += value.length;
+    onBytes(received);
+  }
+  if (received !== totalBytes) {
+    throw new Error(`${url}: got ${received} of ${totalBytes} bytes (the download was cut off)`);
+  }
+  return bytes;
+}
+
+// Returns {bytes, source: "cache" | "network", dropped: bool} for the weights at `url`.
+// onProgress({stage, received, total}) reports "cache", "download" and "verify" stages.
+export async function loadWeights(url, sha256, totalBytes, onProgress) {
+  const key = `${url}?sha256=${sha256}`;
+  const cache = cacheAvailable() ? await caches.open(CACHE_NAME) : null;
+  let dropped = false;
+  if (cache) {
+    const hit = await cache.match(key);
+    if (hit) {
+      onProgress({ stage: "cache", received: 0, total: totalBytes });
+      const bytes = new Uint8Array(await hit.arrayBuffer());
+      onProgress({ stage: "verify", received: bytes.length, total: totalBytes });
+      if (bytes.length === totalBytes && (await sha256Hex(bytes)) === sha256) {
+        return { bytes, source: "cache", dropped };
+      }
+      await cache.delete(key);  // corrupted or truncated: fetch it again
+      dropped = true;
+    }
+  }
+  const bytes = await download(url, totalBytes, (received) => onProgress({ stage: "download", received, total: totalBytes }));
+  if (cacheAvailable()) {
+    onProgress({ stage: "verify", received: totalBytes, total: totalBytes });
+    const got = await sha256Hex(bytes);
+    if (got !== sha256) {
+      throw new Error(`${url} does not match the sha256 in its manifest (${got.slice(0, 12)}… instead of ` +
+                      `${sha256.slice(0, 12)}…): the served artifact is corrupted; run \`make setup\` on the server`);
+    }
+  }
+  if (cache) {
+    for (const old of await cache.keys()) {  // an older conversion of the same file
+      if (old.url.startsWith(`${url}?`) && old.url !== key) await cache.delete(old);
+    }
+    try {
+      await cache.put(key, new Response(bytes, { headers: {
+        "Content-Type": "application/octet-stream", "X-Weights-Bytes": String(bytes.length) } }));
+    } catch (err) {  // e.g. over the storage quota: the model still loads, just not cached
+      console.warn(`could not cache ${url}: ${err}`);
+    }
+  }
+  return { bytes, source: "network", dropped };
+}
+
+// Bytes held in this page's weights cache (entries and their sizes).
+export async function cachedModels() {
+  if (!cacheAvailable() || !(await caches.has(CACHE_NAME))) return [];
+  const cache = await caches.open(CACHE_NAME);
+  const entries = [];
+  for (const request of await cache.keys()) {
+    const response = await cache.match(request);
+    entries.push({ url: request.url, bytes: Number(response.headers.get("X-Weights-Bytes")) });
+  }
+  return entries;
+}
+
+export async function clearCachedModels() {
+  if (cacheAvailable()) await caches.delete(CACHE_NAME);
+}
