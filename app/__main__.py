@@ -83,6 +83,16 @@ def main(argv=None) -> int:
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)
 
+    chat = bench_sub.add_parser("chat", help="a multi-turn conversation: TTFT and tokens/s with and without KV reuse")
+    chat.add_argument("--turns", type=int, default=3, choices=range(1, 6), metavar="1..5")
+    chat.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn (greedy)")
+    chat.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto")
+    chat.add_argument("--synthetic", action="store_true",
+                      help="random weights of SmolLM2's shape (the tokenizer still comes from --model)")
+    chat.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
+    chat.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+    chat.add_argument("--json", type=Path)
+
     args = parser.parse_args(argv)
     if args.command == "build":
         from kernels.build import build_artifact
@@ -129,6 +139,12 @@ def main(argv=None) -> int:
         from app.bench.decode import run_decode_bench
 
         asyncio.run(run_decode_bench(args))
+    elif args.command == "bench" and args.what == "chat":
+        import asyncio
+
+        from app.bench.chat import run_chat_bench
+
+        asyncio.run(run_chat_bench(args))
     elif args.command == "bench" and args.what == "attention":
         import asyncio
 
