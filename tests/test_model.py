@@ -184,7 +184,7 @@ def test_real_model_logits_match_reference(loop, smollm2):
 def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, library, tiny_dir):
     model = load(loop, gpu, library, tiny_dir, "float32")
     loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, attention="tiled"))
-    plan = model._decode_plans["tiled"]
+    plan = model._decode_plans["tiled/argmax"]
     attention = model.attention["tiled"].name
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
 

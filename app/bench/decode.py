@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
-from model_glue.model import MAX_PREFILL_CHUNK, LlamaModel
+from model_glue.model import GREEDY, MAX_PREFILL_CHUNK, LlamaModel, Sampling
 from model_glue.webgpu import WgpuDevice
 
 
@@ -38,21 +38,25 @@ async def run_decode_bench(args) -> dict:
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'attn ms':>8} {'attn share':>10} {'ran':>16}")
     rng = random.Random(0)
-    # auto; auto with the sharded family held to the unsplit sharded nest; tiled forced.
-    modes = [("auto", None), ("auto", "sharded"), ("tiled", None)]
+    # auto; auto with the sharded family held to the unsplit sharded nest; tiled forced; with --sample
+    # also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
+    modes = [("auto", None), ("auto", "sharded"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
+    sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers.
     for attention, override in modes:
         model.reset()
-        model.sharded_override = override
+        model.sharded_override = None if override == "sample" else override
+        sampling = sampled if override == "sample" else GREEDY
         token = await model.forward([rng.randrange(3, model.config.vocab_size) for _ in range(300)], attention)
         for _ in range(3):
-            token = await model.forward([token], attention)
+            token = await model.forward([token], attention, sampling, rng.random())
     rows = []
     for context in args.contexts:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
         for attention, override in modes:
             label = attention if override is None else f"{attention}:{override}"
-            model.sharded_override = override
+            model.sharded_override = None if override == "sample" else override
+            sampling = sampled if override == "sample" else GREEDY
             model.reset()
             started = time.perf_counter()
             token = None
@@ -61,7 +65,7 @@ async def run_decode_bench(args) -> dict:
             prefill_s = time.perf_counter() - started
             steps = []
             for _ in range(args.steps):
-                token = await model.forward([token], attention)
+                token = await model.forward([token], attention, sampling, rng.random())
                 steps.append(model.stats[-1])
             step_ms = sum(s.step_ms for s in steps) / len(steps)
             attn = [s.attention_ms for s in steps if s.attention_ms is not None]
