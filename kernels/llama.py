@@ -251,10 +251,35 @@ def swiglu(ffn_dim: int, dtype: str):
     return swiglu_kernel
 
 
+def _best_pair_tree():
+    """A TVMScript macro: the workgroup's (value, index) pairs, values in best[0:THREADS] and
+    indices in best[THREADS:], reduce into best[0], best[THREADS]: the largest value, the lowest
+    index on ties. val[o:o + 4] is the thread's scratch."""
+    levels = THREADS.bit_length() - 1
+
+    @T.macro
+    def best_pair_tree(best, val, t, o):
+        for level in T.unroll(levels):
+            half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+            # Every thread reads (unconditionally: TVM places barriers outside conditions), then
+            # the lower half keeps the better pair.
+            partner: T.let[T.int32] = T.min(t + half, THREADS - 1)
+            val[o] = best[partner]
+            val[o + 1] = best[THREADS + partner]
+            val[o + 2] = best[t]
+            val[o + 3] = best[THREADS + t]
+            if t < half:
+                if (val[o] > val[o + 2]) | ((val[o] == val[o + 2]) & (val[o + 1] < val[o + 3])):
+                    best[t] = val[o]
+                    best[THREADS + t] = val[o + 1]
+
+    return best_pair_tree
+
+
 def argmax(vocab: int):
     """out[0] = index of the largest logit (the lowest index on ties, like numpy)."""
     TRIPS = (vocab + THREADS - 1) // THREADS
-    LEVELS = THREADS.bit_length() - 1
+    best_pair_tree = _best_pair_tree()
 
     @T.prim_func(s_tir=True)
     def argmax_kernel(logits_h: T.handle, out_h: T.handle):
@@ -280,19 +305,7 @@ def argmax(vocab: int):
                                 val[1] = T.Cast("float32", k)
                     best[t] = val[0]
                     best[THREADS + t] = val[1]
-                    for level in T.unroll(LEVELS):
-                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-                        # Every thread reads (unconditionally: TVM places barriers outside
-                        # conditions), then the lower half keeps the better pair.
-                        partner: T.let[T.int32] = T.min(t + half, THREADS - 1)
-                        val[0] = best[partner]
-                        val[1] = best[THREADS + partner]
-                        val[2] = best[t]
-                        val[3] = best[THREADS + t]
-                        if t < half:
-                            if (val[0] > val[2]) | ((val[0] == val[2]) & (val[1] < val[3])):
-                                best[t] = val[0]
-                                best[THREADS + t] = val[1]
+                    best_pair_tree(best, val, t, 0)
                     if t == 0:
                         out[0] = T.Cast("int32", best[THREADS])
 
@@ -311,7 +324,7 @@ def sample_top_k_top_p(vocab: int, max_top_k: int):
     Requires 1 <= top_k <= max_top_k and temperature > 0 (greedy decoding is `argmax`).
     """
     TRIPS = (vocab + THREADS - 1) // THREADS
-    LEVELS = THREADS.bit_length() - 1
+    best_pair_tree = _best_pair_tree()
     NO_INDEX = float(vocab)  # ranks after every real index
     LOWEST = -3.0e38
 
@@ -350,17 +363,7 @@ def sample_top_k_top_p(vocab: int, max_top_k: int):
                                         val[1] = kf
                         best[t] = val[0]
                         best[THREADS + t] = val[1]
-                        for level in T.unroll(LEVELS):
-                            half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-                            partner: T.let[T.int32] = T.min(t + half, THREADS - 1)
-                            val[4] = best[partner]
-                            val[5] = best[THREADS + partner]
-                            val[6] = best[t]
-                            val[7] = best[THREADS + t]
-                            if t < half:
-                                if (val[4] > val[6]) | ((val[4] == val[6]) & (val[5] < val[7])):
-                                    best[t] = val[4]
-                                    best[THREADS + t] = val[5]
+                        best_pair_tree(best, val, t, 4)
                         if t == 0:
                             chosen[r] = best[0]
                             chosen[max_top_k + r] = best[THREADS]
