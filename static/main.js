@@ -266,8 +266,9 @@ async function compareNests(app) {
       if (result.device_lost) deviceLost(app, result.error); else chatError(result.error);
       return;
     }
-    $("compare-tiled").textContent = result.runs.tiled.text;
-    $("compare-sharded").textContent = result.runs.sharded.text;
+    const shown = (run) => (run.text.trim() ? run.text : `(no visible text; token ids: ${run.token_ids.join(" ")})`);
+    $("compare-tiled").textContent = shown(result.runs.tiled);
+    $("compare-sharded").textContent = shown(result.runs.sharded);
     $("compare-verdict").textContent = result.identical
       ? "Identical greedy text."
       : `Texts first differ at generated token ${result.first_divergence}.`;

@@ -194,6 +194,7 @@ def test_long_document_comparison_shows_the_switch_and_the_speedup(tab):
     past = result["past_switch"]
     assert past["steps"] == {"tiled": 7, "sharded": 7}
     assert past["median_attention_ms"]["tiled"] > 0 and past["speedup"] > 0
+    assert tab.inner_text("#compare-tiled").strip()  # its text, or its token ids when the text is blank
     figures = tab.inner_text("#compare-figures")
     assert "teacher-forced agreement" in figures and "x faster" in figures
     chart = tab.evaluate("window.demoState.compareChart")
