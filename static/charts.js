@@ -12,10 +12,10 @@ function niceStep(range, ticks) {
 // series: [{label, color, points: [{x, y, nest}]}]; options: {switchAt, yTitle}.
 // Points are coloured by their nest, so one series that crosses the switch shows both colours.
 // Returns what it drew (axis titles, legend, point count), which the page tests read back.
-export function drawSteps(canvas, series, { switchAt = null, yTitle = "attention per step (ms, GPU)" } = {}) {
+export function drawSteps(canvas, series, { switchAt = null, yTitle = "attention, ms (GPU)" } = {}) {
   const ctx = canvas.getContext("2d");
   const w = canvas.width, h = canvas.height;
-  const left = 46, right = 8, top = series.length > 1 ? 22 : 10, bottom = 32;
+  const left = 58, right = 8, top = series.length > 1 ? 22 : 10, bottom = 32;
   ctx.clearRect(0, 0, w, h);
   ctx.font = "10px monospace";
   const all = series.flatMap((s) => s.points);
@@ -34,7 +34,9 @@ export function drawSteps(canvas, series, { switchAt = null, yTitle = "attention
   const yStep = niceStep(maxY, 4);
   for (let y = 0; y <= maxY; y += yStep) {
     ctx.beginPath(); ctx.moveTo(left, Y(y)); ctx.lineTo(w - right, Y(y)); ctx.stroke();
-    ctx.fillText(y < 1 ? y.toFixed(2) : y.toFixed(1), 4, Y(y) + 3);
+    ctx.textAlign = "right";  // tick labels end at the axis, clear of the rotated title
+    ctx.fillText(y < 1 ? y.toFixed(2) : y.toFixed(1), left - 4, Y(y) + 3);
+    ctx.textAlign = "left";
   }
   const xStep = niceStep(maxX - minX, 5);
   for (let x = Math.ceil(minX / xStep) * xStep; x <= maxX; x += xStep) {
@@ -43,8 +45,8 @@ export function drawSteps(canvas, series, { switchAt = null, yTitle = "attention
   ctx.strokeStyle = AXIS;
   ctx.beginPath(); ctx.moveTo(left, top); ctx.lineTo(left, h - bottom); ctx.lineTo(w - right, h - bottom); ctx.stroke();
   ctx.fillText("context (tokens)", (w + left) / 2 - 48, h - 4);
-  ctx.save(); ctx.translate(10, top + (h - top - bottom) / 2 + 70); ctx.rotate(-Math.PI / 2);
-  ctx.fillText(yTitle, 0, 0); ctx.restore();
+  ctx.save(); ctx.translate(10, top + (h - top - bottom) / 2); ctx.rotate(-Math.PI / 2);
+  ctx.textAlign = "center"; ctx.fillText(yTitle, 0, 0); ctx.restore();
 
   if (switchAt !== null && switchAt > minX && switchAt < maxX) {
     ctx.setLineDash([4, 3]); ctx.strokeStyle = AXIS;
