@@ -27,7 +27,8 @@ class ChatSession:
         self._stop_requested = False
 
     @classmethod
-    async def load(cls, device, library, model_readers, *, max_context=None, dtype=None, progress=lambda m: None):
+    async def load(cls, device, library, model_readers, *, max_context=None, dtype=None, progress=lambda m: None,
+                   verified_sha256=None):
         read_text, read_bytes = model_readers
         progress("loading the tokenizer")
         try:
@@ -36,7 +37,7 @@ class ChatSession:
         except (OSError, ValueError) as err:
             raise ModelError(f"cannot load the tokenizer: {err}") from err
         model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
-                                      dtype=dtype, progress=progress)
+                                      dtype=dtype, progress=progress, verified_sha256=verified_sha256)
         return cls(model, tokenizer)
 
     def request_stop(self) -> None:

@@ -83,12 +83,14 @@ class Session:
         return {n: base64.b64encode(await self.device.read(gpu_buffers[n], size)).decode() for n, size in outputs.items()}
 
 
-async def open_chat(session: Session, base_url: str, progress, max_context: int = 4096, weights=None):
+async def open_chat(session: Session, base_url: str, progress, max_context: int = 4096, weights=None,
+                    weights_sha256=None):
     """Load the model artifact (weights + tokenizer) served under base_url into a ChatSession.
 
     `weights` is the weights file the page already fetched (a JS Uint8Array: it streams the
-    download with a progress bar and keeps it in the browser's cache); the tensors' sha256 are
-    still checked here, as natively.
+    download with a progress bar and keeps it in the browser's cache). `weights_sha256` is the
+    whole file's sha256 the page checked it against: when the manifest gives the same one, the
+    per-tensor hashes, which would check the same bytes a second time, are skipped.
     """
     from app.chat import ChatSession
     from model_glue.artifact import http_readers
@@ -101,7 +103,7 @@ async def open_chat(session: Session, base_url: str, progress, max_context: int 
             return fetched
 
     return await ChatSession.load(session.device, session.library, (read_text, read_bytes),
-                                  max_context=max_context, progress=progress)
+                                  max_context=max_context, progress=progress, verified_sha256=weights_sha256)
 
 
 async def open_session(base_url: str) -> Session:

@@ -163,8 +163,13 @@ class LlamaModel:
     # -- loading ----------------------------------------------------------------------------
     @classmethod
     async def load(cls, device, library, read_text, read_bytes, *, max_context: int | None = None,
-                   dtype: str | None = None, progress=lambda message: None) -> "LlamaModel":
-        """Load a converted artifact (manifest.json + weights.bin) through async readers."""
+                   dtype: str | None = None, progress=lambda message: None,
+                   verified_sha256: str | None = None) -> "LlamaModel":
+        """Load a converted artifact (manifest.json + weights.bin) through async readers.
+
+        Each tensor's sha256 is checked, unless `verified_sha256` (the whole file's hash, which the
+        caller already checked the bytes against) equals the manifest's `weights_sha256`.
+        """
         try:
             manifest = json.loads(await read_text(MANIFEST))
         except (OSError, ValueError) as err:
@@ -193,12 +198,14 @@ class LlamaModel:
         if len(blob) != manifest["total_bytes"]:
             raise ModelError(f"weights file has {len(blob)} bytes, the manifest says {manifest['total_bytes']}"
                              " (incomplete download or corrupted artifact)")
-        progress("checking each tensor's sha256 and uploading it to the GPU")
+        check_tensors = verified_sha256 is None or verified_sha256 != manifest.get("weights_sha256")
+        progress("checking each tensor's sha256 and uploading it to the GPU" if check_tensors else
+                 "uploading the weights to the GPU (the whole file's sha256 was checked)")
         view = memoryview(blob)
         weights = {}
         for name, t in manifest["tensors"].items():
             data = view[t["offset"]:t["offset"] + t["nbytes"]]
-            if hashlib.sha256(data).hexdigest() != t["sha256"]:
+            if check_tensors and hashlib.sha256(data).hexdigest() != t["sha256"]:
                 raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
             weights[name] = device.storage_buffer(t["nbytes"], data)
         model = cls(device, library, config, weights, dtype, config_name)

@@ -375,7 +375,7 @@ async function loadChat(page, session) {
        `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
   await showCache();
   return page.open_chat(session, base, (message) => step(`${MODEL_LABEL}: ${message}…`), MAX_CONTEXT,
-    weights.bytes);
+    weights.bytes, weights.verified);
 }
 
 async function showCache() {

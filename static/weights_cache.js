@@ -40,7 +40,8 @@ async function download(url, totalBytes, onBytes) {
   return bytes;
 }
 
-// Returns {bytes, source: "cache" | "network", dropped: bool} for the weights at `url`.
+// Returns {bytes, source: "cache" | "network", dropped: bool, verified} for the weights at `url`;
+// `verified` is the sha256 the bytes were checked against (null where crypto.subtle is missing).
 // onProgress({stage, received, total}) reports "cache", "download" and "verify" stages.
 export async function loadWeights(url, sha256, totalBytes, onProgress) {
   const key = `${url}?sha256=${sha256}`;
@@ -53,7 +54,7 @@ export async function loadWeights(url, sha256, totalBytes, onProgress) {
       const bytes = new Uint8Array(await hit.arrayBuffer());
       onProgress({ stage: "verify", received: bytes.length, total: totalBytes });
       if (bytes.length === totalBytes && (await sha256Hex(bytes)) === sha256) {
-        return { bytes, source: "cache", dropped };
+        return { bytes, source: "cache", dropped, verified: sha256 };
       }
       await cache.delete(key);  // corrupted or truncated: fetch it again
       dropped = true;
@@ -79,7 +80,7 @@ export async function loadWeights(url, sha256, totalBytes, onProgress) {
       console.warn(`could not cache ${url}: ${err}`);
     }
   }
-  return { bytes, source: "network", dropped };
+  return { bytes, source: "network", dropped, verified: cacheAvailable() ? sha256 : null };
 }
 
 // Bytes held in this page's weights cache (entries and their sizes).

@@ -132,6 +132,11 @@ def test_corrupted_weights_are_refused(loop, gpu, library, tiny_dir, tmp_path):
     (broken / "weights.bin").write_bytes(bytes(data))
     with pytest.raises(ModelError, match="layers.1.down.q4 is corrupted"):
         load(loop, gpu, library, broken, "float32")
+    # a whole-file hash the caller checked skips the per-tensor hashes only if it is the manifest's
+    read_text, read_bytes = folder_readers(broken)
+    with pytest.raises(ModelError, match="layers.1.down.q4 is corrupted"):
+        loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32",
+                                                verified_sha256="0" * 64))
     (broken / "weights.bin").write_bytes(bytes(data[:1000]))
     with pytest.raises(ModelError, match="incomplete download or corrupted"):
         load(loop, gpu, library, broken, "float32")
