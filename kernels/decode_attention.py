@@ -99,7 +99,9 @@ def check_sharded_shape(num_kv_heads: int, num_qo_heads: int, head_dim: int) -> 
 
 
 def paged_row_helpers(head_dim: int, sliding_window: bool, page_size: int = PAGE_SIZE):
-    """Expression builders the sharded nest and its split variants share (run while TVMScript parses):
+    """Expression builders and TVMScript macros the sharded nest and its split variants share (run
+    while TVMScript parses). rope4 and partner_chunk serve the two macros that apply RoPE; the tuple
+    returned is kv_len_of, seq_offset_of, lane_sum and the four macros:
 
     kv_len_of(indptr_begin, indptr_end, b, length_info)  rows a sequence attends to
     seq_offset_of(pos, b, length_info)                   row -> slot: the first `sink` rows are the
@@ -107,8 +109,22 @@ def paged_row_helpers(head_dim: int, sliding_window: bool, page_size: int = PAGE
     rope4(x4, partner4, pos, chunk, rope_scale, rope_theta)  4 dims rotated at `pos` (rotate-half)
     partner_chunk(chunk)                                 the chunk RoPE pairs with `chunk`
     lane_sum(v4)                                         the 4 lanes of a vector added
+    add_key_dot(dot, q_local, pages, page, kv_head, slot, chunk0, k_pos, rotary_mode, rope_scale,
+                rope_theta)                              a macro: dot[0] += this lane's q chunks times
+                                                         the key row's (RoPE'd when rotary_mode is 1)
+    load_query(q_local, o_local, Q, b, h, chunk0, q_pos, rotary_mode, rope_scale, rope_theta, sm_scale)
+                                                         a macro: this lane's q chunks into registers,
+                                                         pre-scaled to the log2 domain; O zeroed
+    gather_partial_dots(acc, scores, lane, shard, row0, lanes_per_shard, num_shards)
+                                                         a macro: a position's partial dots from the
+                                                         lanes of one shard, summed through `scores`
+                                                         (rows row0.. of the ping or pong array)
+    online_softmax_step(state, o_local, acc, pages, page, kv_head, slot, chunk0)
+                                                         a macro: fold one score and value row into
+                                                         (max, denominator, O)
     """
     D, VEC = head_dim, 4
+    LANE_CHUNKS = LANE_DIMS // VEC
     HALF_CHUNKS = D // 2 // VEC  # RoPE pairs dim d with d +- D/2 (TVM's rotate-half convention)
 
     def kv_len_of(indptr_begin, indptr_end, b, length_info):
@@ -138,7 +154,49 @@ def paged_row_helpers(head_dim: int, sliding_window: bool, page_size: int = PAGE
     def lane_sum(v4):
         return T.Shuffle([v4], [0]) + T.Shuffle([v4], [1]) + T.Shuffle([v4], [2]) + T.Shuffle([v4], [3])
 
-    return kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum
+    @T.macro
+    def add_key_dot(dot, q_local, pages, page, kv_head, slot, chunk0, k_pos, rotary_mode, rope_scale, rope_theta):
+        for c in T.unroll(LANE_CHUNKS):
+            dot[0] = dot[0] + q_local[c] * T.if_then_else(
+                rotary_mode == 1,
+                rope4(T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
+                      T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c)]),
+                      k_pos, chunk0 + c, rope_scale, rope_theta),
+                T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
+            )
+
+    @T.macro
+    def load_query(q_local, o_local, Q, b, h, chunk0, q_pos, rotary_mode, rope_scale, rope_theta, sm_scale):
+        for c in T.unroll(LANE_CHUNKS):
+            q_local[c] = T.if_then_else(
+                rotary_mode == 1,
+                rope4(T.Cast("float32x4", Q[b, h, chunk0 + c]),
+                      T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c)]),
+                      q_pos, chunk0 + c, rope_scale, rope_theta),
+                T.Cast("float32x4", Q[b, h, chunk0 + c]),
+            ) * T.Broadcast(sm_scale * LOG2_E, VEC)
+            o_local[c] = T.Broadcast(T.float32(0), VEC)
+
+    @T.macro
+    def gather_partial_dots(acc, scores, lane, shard, row0, lanes_per_shard, num_shards):
+        scores[(row0 + lane) * num_shards + shard] = acc[0]
+        acc[0] = T.float32(0)
+        for l in T.unroll(lanes_per_shard):
+            acc[0] = acc[0] + scores[(row0 + l) * num_shards + shard]
+
+    @T.macro
+    def online_softmax_step(state, o_local, acc, pages, page, kv_head, slot, chunk0):
+        m_new: T.let[T.float32] = T.max(state[0], acc[0])
+        rescale: T.let[T.float32] = T.exp2(state[0] - m_new)
+        p: T.let[T.float32] = T.exp2(acc[0] - m_new)
+        state[1] = state[1] * rescale + p
+        state[0] = m_new
+        for c in T.unroll(LANE_CHUNKS):
+            o_local[c] = o_local[c] * T.Broadcast(rescale, VEC) + T.Broadcast(p, VEC) * T.Cast(
+                "float32x4", pages[page, 1, kv_head, slot, chunk0 + c])
+
+    return (kv_len_of, seq_offset_of, lane_sum, add_key_dot, load_query, gather_partial_dots,
+            online_softmax_step)
 
 
 def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, page_size=PAGE_SIZE):
@@ -160,7 +218,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
     ROWS_PER_SPLIT = MERGE_SHARDS // MERGE_SPLIT
     SPLIT_LANES = LANES_PER_SHARD > 1
 
-    kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum = paged_row_helpers(D, sliding_window, page_size)
+    (kv_len_of, seq_offset_of, lane_sum, add_key_dot, load_query, gather_partial_dots,
+     online_softmax_step) = paged_row_helpers(D, sliding_window, page_size)
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -213,15 +272,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                             q_pos: T.let[T.int32] = q_rope_position[b]
 
                             # q in registers, pre-scaled so scores land in the log2 domain.
-                            for c in T.unroll(LANE_CHUNKS):
-                                q_local[c] = T.if_then_else(
-                                    rotary_mode == 1,
-                                    rope4(T.Cast("float32x4", Q[b, h, chunk0 + c]),
-                                          T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c)]),
-                                          q_pos, chunk0 + c, rope_scale, rope_theta),
-                                    T.Cast("float32x4", Q[b, h, chunk0 + c]),
-                                ) * T.Broadcast(sm_scale * LOG2_E, VEC)
-                                o_local[c] = T.Broadcast(T.float32(0), VEC)
+                            load_query(q_local, o_local, Q, b, h, chunk0, q_pos, rotary_mode, rope_scale, rope_theta,
+                                       sm_scale)
                             state[0] = T.float32(MASKED_SCORE)
                             state[1] = T.float32(0)
 
@@ -237,37 +289,17 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                     k_pos: T.let[T.int32] = k_rope_pos_offset[b] + pos
                                     dot[0] = T.Broadcast(T.float32(0), VEC)
                                     if in_context:
-                                        for c in T.unroll(LANE_CHUNKS):
-                                            dot[0] = dot[0] + q_local[c] * T.if_then_else(
-                                                rotary_mode == 1,
-                                                rope4(T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
-                                                      T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c)]),
-                                                      k_pos, chunk0 + c, rope_scale, rope_theta),
-                                                T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
-                                            )
+                                        add_key_dot(dot, q_local, pages, page, kv_head, slot, chunk0, k_pos,
+                                                    rotary_mode, rope_scale, rope_theta)
                                     acc[0] = lane_sum(dot[0])
                                     if SPLIT_LANES:
                                         # Partial dots meet in ping (even steps) or pong (odd steps).
                                         if half == 0:
-                                            score_ping[lane * NUM_SHARDS + shard] = acc[0]
-                                            acc[0] = T.float32(0)
-                                            for l in T.unroll(LANES_PER_SHARD):
-                                                acc[0] = acc[0] + score_ping[l * NUM_SHARDS + shard]
+                                            gather_partial_dots(acc, score_ping, lane, shard, 0, LANES_PER_SHARD, NUM_SHARDS)
                                         else:
-                                            score_pong[lane * NUM_SHARDS + shard] = acc[0]
-                                            acc[0] = T.float32(0)
-                                            for l in T.unroll(LANES_PER_SHARD):
-                                                acc[0] = acc[0] + score_pong[l * NUM_SHARDS + shard]
-                                    if in_context:
-                                        # Online softmax over this shard's positions.
-                                        m_new: T.let[T.float32] = T.max(state[0], acc[0])
-                                        rescale: T.let[T.float32] = T.exp2(state[0] - m_new)
-                                        p: T.let[T.float32] = T.exp2(acc[0] - m_new)
-                                        state[1] = state[1] * rescale + p
-                                        state[0] = m_new
-                                        for c in T.unroll(LANE_CHUNKS):
-                                            o_local[c] = o_local[c] * T.Broadcast(rescale, VEC) + T.Broadcast(p, VEC) * T.Cast(
-                                                "float32x4", pages[page, 1, kv_head, slot, chunk0 + c])
+                                            gather_partial_dots(acc, score_pong, lane, shard, 0, LANES_PER_SHARD, NUM_SHARDS)
+                                    if in_context:  # online softmax over this shard's positions
+                                        online_softmax_step(state, o_local, acc, pages, page, kv_head, slot, chunk0)
 
                             # Merge phase 1: global max, rescale, publish denominators.
                             if lane == 0:

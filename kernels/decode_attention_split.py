@@ -70,18 +70,12 @@ head means more rows per thread, i.e. more splits for the same occupancy.
 
 from __future__ import annotations
 
-import math
-
 from tvm.script import tirx as T
 
-from kernels.decode_attention import check_sharded_shape, paged_row_helpers
+from kernels.decode_attention import LANE_DIMS, MASKED_SCORE, check_sharded_shape, paged_row_helpers
 from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
 from model_glue.contract import PAGE_SIZE
 
-# As in kernels.decode_attention (the sharded nest this splits).
-LANE_DIMS = 64  # q and O dims each lane keeps in registers
-LOG2_E = math.log2(math.e)
-MASKED_SCORE = -5e4  # TVM's initial max; exp2(-5e4 - m) underflows to 0 for any real score
 VEC = 4  # K, V, q and O move as 4-wide vectors (one 8-byte f16 / 16-byte f32 access, not four)
 STAGE_WORDS = 2048  # f32 words of the O merge stage (8 KiB)
 STATS = 2  # partial_stats[..., 0] = max, [..., 1] = denominator
@@ -131,7 +125,8 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
     if ROUNDS_PER_HEAD < 1 or ROWS_PER_READER < 1:
         raise ValueError(f"group of {HEADS} heads does not fit the O merge stage at head_dim {D}")
 
-    kv_len_of, seq_offset_of, rope4, partner_chunk, lane_sum = paged_row_helpers(D, sliding_window, page_size)
+    (kv_len_of, seq_offset_of, lane_sum, add_key_dot, load_query, gather_partial_dots,
+     online_softmax_step) = paged_row_helpers(D, sliding_window, page_size)
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -205,15 +200,8 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
                                 q_pos: T.let[T.int32] = q_rope_position[b]
 
                                 # q in registers, pre-scaled so scores land in the log2 domain.
-                                for c in T.unroll(LANE_CHUNKS):
-                                    q_local[c] = T.if_then_else(
-                                        rotary_mode == 1,
-                                        rope4(T.Cast("float32x4", Q[b, h, chunk0 + c]),
-                                              T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c)]),
-                                              q_pos, chunk0 + c, rope_scale, rope_theta),
-                                        T.Cast("float32x4", Q[b, h, chunk0 + c]),
-                                    ) * T.Broadcast(sm_scale * LOG2_E, VEC)
-                                    o_local[c] = T.Broadcast(T.float32(0), VEC)
+                                load_query(q_local, o_local, Q, b, h, chunk0, q_pos, rotary_mode, rope_scale, rope_theta,
+                                           sm_scale)
                                 state[0] = T.float32(MASKED_SCORE)
                                 state[1] = T.float32(0)
 
@@ -233,37 +221,20 @@ def decode_attention_split_partial(num_kv_heads, num_qo_heads, head_dim, dtype, 
                                         k_pos: T.let[T.int32] = k_rope_pos_offset[b] + pos
                                         dot[0] = T.Broadcast(T.float32(0), VEC)
                                         if in_split:
-                                            for c in T.unroll(LANE_CHUNKS):
-                                                dot[0] = dot[0] + q_local[c] * T.if_then_else(
-                                                    rotary_mode == 1,
-                                                    rope4(T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
-                                                          T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c)]),
-                                                          k_pos, chunk0 + c, rope_scale, rope_theta),
-                                                    T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
-                                                )
+                                            add_key_dot(dot, q_local, pages, page, kv_head, slot, chunk0, k_pos,
+                                                        rotary_mode, rope_scale, rope_theta)
                                         acc[0] = lane_sum(dot[0])
                                         if SPLIT_LANES:
                                             # Partial dots meet in ping (even steps) or pong (odd steps).
+                                            # this head's lane rows start at head * LANES_PER_SHARD
                                             if half == 0:
-                                                score_ping[(head * LANES_PER_SHARD + lane) * NUM_SHARDS + shard] = acc[0]
-                                                acc[0] = T.float32(0)
-                                                for l in T.unroll(LANES_PER_SHARD):
-                                                    acc[0] = acc[0] + score_ping[(head * LANES_PER_SHARD + l) * NUM_SHARDS + shard]
+                                                gather_partial_dots(acc, score_ping, lane, shard, head * LANES_PER_SHARD,
+                                                                    LANES_PER_SHARD, NUM_SHARDS)
                                             else:
-                                                score_pong[(head * LANES_PER_SHARD + lane) * NUM_SHARDS + shard] = acc[0]
-                                                acc[0] = T.float32(0)
-                                                for l in T.unroll(LANES_PER_SHARD):
-                                                    acc[0] = acc[0] + score_pong[(head * LANES_PER_SHARD + l) * NUM_SHARDS + shard]
-                                        if in_split:
-                                            # Online softmax over this shard's rows.
-                                            m_new: T.let[T.float32] = T.max(state[0], acc[0])
-                                            rescale: T.let[T.float32] = T.exp2(state[0] - m_new)
-                                            p: T.let[T.float32] = T.exp2(acc[0] - m_new)
-                                            state[1] = state[1] * rescale + p
-                                            state[0] = m_new
-                                            for c in T.unroll(LANE_CHUNKS):
-                                                o_local[c] = o_local[c] * T.Broadcast(rescale, VEC) + T.Broadcast(p, VEC) * T.Cast(
-                                                    "float32x4", pages[page, 1, kv_head, slot, chunk0 + c])
+                                                gather_partial_dots(acc, score_pong, lane, shard, head * LANES_PER_SHARD,
+                                                                    LANES_PER_SHARD, NUM_SHARDS)
+                                        if in_split:  # online softmax over this shard's rows
+                                            online_softmax_step(state, o_local, acc, pages, page, kv_head, slot, chunk0)
 
                                 # Merge phase 1 (per head): the split's max M and denominator.
                                 if lane == 0:
