@@ -14,7 +14,7 @@ from kernels import llama
 from kernels.decode_attention import decode_attention_sharded, decode_attention_tiled
 from kernels.decode_attention_split import decode_attention_split_merge, decode_attention_split_partial
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (BENCH_SHAPES, DTYPES, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
+from model_glue.contract import (BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
                                  PREFILL_TOKENS_PER_GROUP, SPLIT_VARIANTS, TEST_SHAPES,
                                  TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig,
                                  attention_kernel_name, model_kernel_name, split_merge_kernel_name)
@@ -23,8 +23,8 @@ NEST_BUILDERS = {"tiled": decode_attention_tiled, "sharded": decode_attention_sh
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe, **NEST_BUILDERS,
     "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
-    "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
-    "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
+    "embedding_q8": llama.embedding_q8, "quantized_matmul": llama.quantized_matmul,
+    "rope_and_append": llama.rope_and_append, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
 }
 
@@ -89,24 +89,21 @@ def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     """The builder arguments of one role (its builder is LLAMA_ROLES[role].builder)."""
     if role == "embed":
         return (c.vocab_size, c.dim, dtype)
-    if role == "rms_norm":
-        return (c.dim, c.rms_eps, dtype)
     if role == "rope_append":
         return (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype)
-    if role == "swiglu":
-        return (c.ffn_dim, dtype)
-    if role == "lm_head":  # f32 logits for the argmax
-        return (c.vocab_size, c.dim, dtype, "q8", 1, False, "float32")
+    if role == "norm_lm_head":  # f32 logits for the argmax
+        return (c.vocab_size, c.dim, dtype, "q8", 1, False, "float32", c.rms_eps)
     if role == "argmax":
         return (c.vocab_size,)
     if role == "sample":
         return (c.vocab_size, MAX_TOP_K)
-    matrix, phase = role.rsplit("_", 1)
+    matmul, phase = role.rsplit("_", 1)
     tokens = 1 if phase == "decode" else PREFILL_TOKENS_PER_GROUP
     out_in = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
-              "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}[matrix]
-    residual = matrix in ("o", "down")  # x + o(attn), x_mid + down(ffn)
-    return (*out_in, dtype, "q4", tokens, residual)
+              "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}[LAYER_MATMULS[matmul]]
+    residual = matmul.endswith("_residual")
+    norm_eps = c.rms_eps if matmul.startswith("norm_") else None
+    return (*out_in, dtype, "q4", tokens, residual, None, norm_eps, matmul.endswith("_swiglu"))
 
 
 def llama_recipes(config_name: str, c: LlamaConfig, dtype: str) -> list[KernelRecipe]:

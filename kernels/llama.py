@@ -54,94 +54,84 @@ def embedding_q8(vocab: int, dim: int, dtype: str):
     return embedding
 
 
-def rms_norm(dim: int, eps: float, dtype: str):
-    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row."""
-    TRIPS = (dim + THREADS - 1) // THREADS
-    LEVELS = THREADS.bit_length() - 1
-
-    @T.prim_func(s_tir=True)
-    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True})
-        n = T.int32()
-        x = T.match_buffer(x_h, (n, dim), dtype)
-        weight = T.match_buffer(weight_h, (dim,), "float32")
-        out = T.match_buffer(out_h, (n, dim), dtype)
-        for i in T.thread_binding(n, thread="blockIdx.x"):
-            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("rms_norm"):
-                    T.reads()
-                    T.writes()
-                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
-                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    acc[0] = T.float32(0)
-                    for trip in T.unroll(TRIPS):
-                        if trip * THREADS + t < dim:
-                            v: T.let[T.float32] = T.Cast("float32", x[i, trip * THREADS + t])
-                            acc[0] = acc[0] + v * v
-                    partial[t] = acc[0]
-                    for level in T.unroll(LEVELS):
-                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-                        if t < half:
-                            partial[t] = partial[t] + partial[t + half]
-                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + T.float32(eps))
-                    for trip in T.unroll(TRIPS):
-                        if trip * THREADS + t < dim:
-                            out[i, trip * THREADS + t] = T.Cast(
-                                dtype, T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t])
-
-    return rms_norm_kernel
-
-
 def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_format: str,
-                     tokens_per_group: int, residual: bool, out_dtype: str | None = None):
-    """y[n, out] = x[n, in] @ W^T (+ resid), W in the q4 or q8 packing.
+                     tokens_per_group: int, residual: bool, out_dtype: str | None = None,
+                     norm_eps: float | None = None, swiglu: bool = False):
+    """y[n, out] = x[n, in] @ W^T (+ resid), W in the q4 or q8 packing; optionally with the
+    RMSNorm before it and the SwiGLU after it folded in, so neither is a dispatch of its own.
 
-    256 invocations = ROWS (8) output rows x LANES (32) lanes; a lane walks the row's packed words
+    256 invocations = ROWS (8) weight rows x LANES (32) lanes; a lane walks the row's packed words
     with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once and
     applies it to TOKENS tokens (1 for decode, more for prefill so weights are reused). The 32
     lane partials of each (row, token) meet in workgroup memory behind one barrier.
     (A barrier-free one-row-per-invocation variant was measured no faster on lavapipe.)
+
+    With `norm_eps`, x is RMS-normalized with weight `norm` first. Since
+    norm(x) @ W^T = inv_rms(x) * ((x * norm) @ W^T), the lanes multiply x by `norm` as they read
+    it, the lanes of row 0 also sum x^2 over the same words, and the epilogue scales the row's total
+    by inv_rms: the normalized x never goes to memory, and it is not rounded to `dtype` either.
+
+    With `swiglu`, W holds the gate rows then the up rows ([2F, in]) and y[n, F] =
+    silu(x @ Wg^T) * (x @ Wu^T): a workgroup's rows 0-3 are gate rows and rows 4-7 the up rows of
+    the same four outputs, so the epilogue finds both totals in workgroup memory.
     """
     ROWS, LANES = 8, 32
     TOKENS = tokens_per_group
     PER_WORD = 8 if weight_format == "q4" else 4
     WORDS = in_features // PER_WORD
     WORD_TRIPS = (WORDS + LANES - 1) // LANES
+    OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
+    COLUMNS_PER_GROUP = ROWS // 2 if swiglu else ROWS  # a gate row and its up row make one column
+    SQUARES = ROWS * TOKENS * LANES  # where row 0's lanes leave their partial sums of x^2
+    normed = norm_eps is not None
     out_dtype = out_dtype or dtype
     assert out_features % ROWS == 0 and in_features % BLOCK == 0
+
+    def weight_row(rb, r):
+        if swiglu:  # rows 0-3: gate rows; rows 4-7: the up rows of the same columns
+            return T.if_then_else(r < COLUMNS_PER_GROUP, rb * COLUMNS_PER_GROUP + r,
+                                  OUT_COLUMNS + rb * COLUMNS_PER_GROUP + r - COLUMNS_PER_GROUP)
+        return rb * ROWS + r
 
     def weight_value(word, k, s, m):
         if weight_format == "q4":
             return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15))) * s + m
         return T.Cast("float32", _sign_extend_byte(word, k)) * s
 
-    def with_residual(resid, token, row, value):
-        return value + T.Cast("float32", resid[token, row]) if residual else value
+    def input_value(x, norm, token, column):
+        value = T.Cast("float32", x[token, column])
+        return value * norm[column] if normed else value
 
     @T.prim_func(s_tir=True)
-    def matmul(x_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle):
+    def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
+               resid_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         x = T.match_buffer(x_h, (n, in_features), dtype)
+        norm = T.match_buffer(norm_h, (in_features,), "float32")
         w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
         wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
-        resid = T.match_buffer(resid_h, (n, out_features), out_dtype)
-        y = T.match_buffer(y_h, (n, out_features), out_dtype)
-        for rb in T.thread_binding(out_features // ROWS, thread="blockIdx.x"):
+        resid = T.match_buffer(resid_h, (n, OUT_COLUMNS), out_dtype)
+        y = T.match_buffer(y_h, (n, OUT_COLUMNS), out_dtype)
+        for rb in T.thread_binding(OUT_COLUMNS // COLUMNS_PER_GROUP, thread="blockIdx.x"):
             for tb in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
                 for r in T.thread_binding(ROWS, thread="threadIdx.y"):
                     for lane in T.thread_binding(LANES, thread="threadIdx.x"):
                         with T.sblock("matmul"):
                             T.reads()
                             T.writes()
-                            partial = T.sblock_alloc_buffer((ROWS * TOKENS * LANES,), "float32", scope="shared")
+                            partial = T.sblock_alloc_buffer((SQUARES + TOKENS * LANES if normed else SQUARES,),
+                                                            "float32", scope="shared")
                             acc = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
-                            total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                            row: T.let[T.int32] = rb * ROWS + r
+                            squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
+                            # total: 0 the row's dot, 1 sum of x^2, 2 the up row's dot (swiglu)
+                            total = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                            row: T.let[T.int32] = weight_row(rb, r)
                             tok0: T.let[T.int32] = tb * TOKENS
                             for j in T.unroll(TOKENS):
                                 acc[j] = T.float32(0)
+                                squares[j] = T.float32(0)
                             for trip in T.serial(WORD_TRIPS):
                                 wi: T.let[T.int32] = trip * LANES + lane
                                 if wi < WORDS:
@@ -153,15 +143,36 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
                                         wv: T.let[T.float32] = weight_value(word, k, s, m)
                                         for j in T.unroll(TOKENS):
                                             if tok0 + j < n:
-                                                acc[j] = acc[j] + wv * T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
+                                                acc[j] = acc[j] + wv * input_value(x, norm, tok0 + j, wi * PER_WORD + k)
+                                                if normed:
+                                                    if r == 0:  # every row reads the same x: one row sums it
+                                                        xv: T.let[T.float32] = T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
+                                                        squares[j] = squares[j] + xv * xv
                             for j in T.unroll(TOKENS):
                                 partial[(r * TOKENS + j) * LANES + lane] = acc[j]
-                            if lane < TOKENS:
+                                if normed:
+                                    if r == 0:
+                                        partial[SQUARES + j * LANES + lane] = squares[j]
+                            if (lane < TOKENS) & (r < COLUMNS_PER_GROUP):
                                 if tok0 + lane < n:
                                     total[0] = T.float32(0)
+                                    total[1] = T.float32(0)
+                                    total[2] = T.float32(0)
                                     for l in T.serial(LANES):
                                         total[0] = total[0] + partial[(r * TOKENS + lane) * LANES + l]
-                                    y[tok0 + lane, row] = T.Cast(out_dtype, with_residual(resid, tok0 + lane, row, total[0]))
+                                        if normed:
+                                            total[1] = total[1] + partial[SQUARES + lane * LANES + l]
+                                        if swiglu:
+                                            total[2] = total[2] + partial[((r + COLUMNS_PER_GROUP) * TOKENS + lane) * LANES + l]
+                                    if normed:
+                                        inv_rms: T.let[T.float32] = T.rsqrt(total[1] / T.float32(in_features) + T.float32(norm_eps or 0))
+                                        total[0] = total[0] * inv_rms
+                                        total[2] = total[2] * inv_rms
+                                    if swiglu:
+                                        total[0] = total[0] / (T.float32(1) + T.exp(-total[0])) * total[2]
+                                    if residual:
+                                        total[0] = total[0] + T.Cast("float32", resid[tok0 + lane, rb * COLUMNS_PER_GROUP + r])
+                                    y[tok0 + lane, rb * COLUMNS_PER_GROUP + r] = T.Cast(out_dtype, total[0])
 
     return matmul
 
@@ -226,29 +237,6 @@ def _log2(x: float) -> float:
     import math
 
     return math.log2(x)
-
-
-def swiglu(ffn_dim: int, dtype: str):
-    """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j]."""
-
-    @T.prim_func(s_tir=True)
-    def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True})
-        n = T.int32()
-        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
-        h = T.match_buffer(h_h, (n, ffn_dim), dtype)
-        for jb in T.thread_binding(T.ceildiv(ffn_dim, THREADS), thread="blockIdx.x"):
-            for i in T.thread_binding(n, thread="blockIdx.y"):
-                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    with T.sblock("swiglu"):
-                        T.reads()
-                        T.writes()
-                        j: T.let[T.int32] = jb * THREADS + t
-                        if j < ffn_dim:
-                            g: T.let[T.float32] = T.Cast("float32", gate_up[i, j])
-                            h[i, j] = T.Cast(dtype, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", gate_up[i, ffn_dim + j]))
-
-    return swiglu_kernel
 
 
 def _best_pair_tree():

@@ -150,7 +150,7 @@ ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
 # and (max, denominator) in the log2 domain, dense for the call's S: [B, H_qo, S, D] and [B, H_qo, S, 2].
 SPLIT_WORKSPACE = ("partial_o", "partial_stats")
 
-_MATMUL = ("x", "w", "scale", "wmin", "y")
+_NORM_MATMUL = ("x", "norm", "w", "scale", "wmin", "y")  # RMSNorm folded in (`norm`: its weight)
 _MATMUL_RESIDUAL = ("x", "w", "scale", "wmin", "resid", "y")
 
 
@@ -163,19 +163,24 @@ class KernelRole:
     buffers: tuple[str, ...]
 
 
+# The layer's four matmuls, each with what is folded into it; a layer is these four dispatches plus
+# RoPE/append and attention (LAYER_MATMULS[m] gives the weight matrix it reads).
+LAYER_MATMULS = {
+    "norm_qkv": "qkv",  # qkv = norm(x) @ Wqkv^T
+    "o_residual": "o",  # x_mid = x + attn @ Wo^T
+    "norm_gate_up_swiglu": "gate_up",  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
+    "down_residual": "down",  # x = x_mid + h @ Wdown^T
+}
 LLAMA_ROLES = {
     "embed": KernelRole("embedding_q8", ("ids", "q8", "scale", "out")),
-    "rms_norm": KernelRole("rms_norm", ("x", "weight", "out")),
     "rope_append": KernelRole("rope_and_append", ("qkv", "positions", "slots", "pages", "q")),
-    "swiglu": KernelRole("swiglu", ("gate_up", "h")),
-    "lm_head": KernelRole("quantized_matmul", ("x", "w", "scale", "y")),  # q8, tied embedding
+    "norm_lm_head": KernelRole("quantized_matmul", ("x", "norm", "w", "scale", "y")),  # q8, tied embedding
     "argmax": KernelRole("argmax", ("logits", "out")),
     "sample": KernelRole("sample_top_k_top_p", ("logits", "out")),  # top-k, top-p, temperature
     # decode (one token per pass) and prefill (PREFILL_TOKENS_PER_GROUP tokens per workgroup)
-    **{f"{matrix}_{phase}": KernelRole("quantized_matmul", buffers)
-       for phase in ("decode", "prefill")
-       for matrix, buffers in (("qkv", _MATMUL), ("o", _MATMUL_RESIDUAL),
-                               ("gate_up", _MATMUL), ("down", _MATMUL_RESIDUAL))},
+    **{f"{matmul}_{phase}": KernelRole("quantized_matmul",
+                                       _MATMUL_RESIDUAL if matmul.endswith("_residual") else _NORM_MATMUL)
+       for phase in ("decode", "prefill") for matmul in LAYER_MATMULS},
 }
 MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)
 PREFILL_TOKENS_PER_GROUP = 8  # tokens one prefill matmul workgroup serves (each weight read once per 8)

@@ -225,10 +225,10 @@ class LlamaModel:
         max_pages = PagedKVCache.pages_for(c)
         return {
             "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
-            "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
+            "x_a": e * n * c.dim, "x_b": e * n * c.dim,
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
             "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
-            "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
+            "ffn": e * n * c.ffn_dim,
             "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
             "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
             **split_workspace_bytes(SPLIT_WORKSPACE_ROWS, c.attention_shape),
@@ -247,7 +247,7 @@ class LlamaModel:
         for plan in self._decode_plans.values():  # they bound the old buffers
             plan.release()
         self._decode_plans.clear()
-        for name, size in {"last": e * c.dim, "last_normed": e * c.dim, "logits": 4 * c.vocab_size,
+        for name, size in {"last": e * c.dim, "logits": 4 * c.vocab_size,
                            "next_id": 4}.items():
             if name not in self.buffers:  # one-token buffers never grow
                 self.buffers[name] = dev.storage_buffer(size)
@@ -330,8 +330,10 @@ class LlamaModel:
             bound.dispatch(batch)
             bound.release_after(batch)
 
-        def matmul(role, name, x, y, resid=None):
+        def matmul(role, name, x, y, *, norm=None, resid=None):
             buffers = {"x": x, "w": w[f"{name}.q4"], "scale": w[f"{name}.scale"], "wmin": w[f"{name}.min"], "y": y}
+            if norm is not None:
+                buffers["norm"] = w[norm]
             if resid is not None:
                 buffers["resid"] = resid
             run(k[f"{role}_{phase}"], buffers)
@@ -342,9 +344,8 @@ class LlamaModel:
         for layer in range(c.n_layers):
             p = f"layers.{layer}"
             pages = self.kv.layers[layer]
-            # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
-            run(k["rms_norm"], {"x": x, "weight": w[f"{p}.attn_norm"], "out": buf["normed"]})
-            matmul("qkv", f"{p}.qkv", buf["normed"], buf["qkv"])
+            # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))), the norm folded into qkv
+            matmul("norm_qkv", f"{p}.qkv", x, buf["qkv"], norm=f"{p}.attn_norm")
             run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
                                    "pages": pages, "q": buf["q"]}, {"n": n, "num_pages": self.kv.num_pages})
             # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
@@ -358,17 +359,17 @@ class LlamaModel:
             with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if stamps is not None else nullcontext():
                 for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                     run(kernel, kernel_buffers, values, per_step=True)
-            matmul("o", f"{p}.o", buf["attn"], x_mid, resid=x)
-            # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
-            run(k["rms_norm"], {"x": x_mid, "weight": w[f"{p}.ffn_norm"], "out": buf["normed"]})
-            matmul("gate_up", f"{p}.gate_up", buf["normed"], buf["gate_up"])
-            run(k["swiglu"], {"gate_up": buf["gate_up"], "h": buf["ffn"]})
-            matmul("down", f"{p}.down", buf["ffn"], x, resid=x_mid)
-        # head: only the last token's logits are needed
-        batch.copy(x, (n - 1) * c.dim * self.esize, buf["last"], 0, c.dim * self.esize)
-        run(k["rms_norm"], {"x": buf["last"], "weight": w["final_norm"], "out": buf["last_normed"]}, {"n": 1})
-        run(k["lm_head"], {"x": buf["last_normed"], "w": w["embed.q8"], "scale": w["embed.scale"],
-                           "y": buf["logits"]}, {"n": 1})
+            matmul("o_residual", f"{p}.o", buf["attn"], x_mid, resid=x)
+            # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid)))), norm and swiglu folded in
+            matmul("norm_gate_up_swiglu", f"{p}.gate_up", x_mid, buf["ffn"], norm=f"{p}.ffn_norm")
+            matmul("down_residual", f"{p}.down", buf["ffn"], x, resid=x_mid)
+        # head: only the last token's logits are needed (a decode pass's x is that token already)
+        last = x
+        if n > 1:
+            batch.copy(x, (n - 1) * c.dim * self.esize, buf["last"], 0, c.dim * self.esize)
+            last = buf["last"]
+        run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], "w": w["embed.q8"], "scale": w["embed.scale"],
+                                "y": buf["logits"]}, {"n": 1})
         if sampling.greedy:
             run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
         else:  # the draw changes every step
