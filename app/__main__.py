@@ -85,6 +85,12 @@ def main(argv=None) -> int:
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)
 
+    page = bench_sub.add_parser("page", help="host time to encode a decode step in the page (Chromium, Pyodide)")
+    page.add_argument("--model", default="smollm2", choices=["smollm2", "tiny_chat"])
+    page.add_argument("--steps", type=int, default=8, help="decode steps per mode")
+    page.add_argument("--root", type=Path, default=STATIC)
+    page.add_argument("--json", type=Path)
+
     chat = bench_sub.add_parser("chat", help="a multi-turn conversation: TTFT and tokens/s with and without KV reuse")
     chat.add_argument("--turns", type=int, default=3, choices=range(1, 6), metavar="1..5")
     chat.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn (greedy)")
@@ -147,6 +153,10 @@ def main(argv=None) -> int:
         from app.bench.chat import run_chat_bench
 
         asyncio.run(run_chat_bench(args))
+    elif args.command == "bench" and args.what == "page":
+        from app.bench.page import run_page_bench
+
+        run_page_bench(args)
     elif args.command == "bench" and args.what == "attention":
         import asyncio
 

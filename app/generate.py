@@ -12,11 +12,13 @@ from model_glue.webgpu import DeviceLostError, WebGPUUnavailable, WgpuDevice
 
 
 def format_stats_table(stats: list[dict]) -> str:
-    lines = [f"{'step':>4} {'kind':>7} {'tokens':>6} {'context':>7} {'attention':>17} {'attn ms':>8} {'step ms':>8}"]
+    lines = [f"{'step':>4} {'kind':>7} {'tokens':>6} {'context':>7} {'attention':>17} {'attn ms':>8} {'GPU ms':>7} "
+             f"{'encode ms':>9} {'step ms':>8} {'dispatches':>10}"]
     for i, s in enumerate(stats):
         attn = "-" if s["attention_ms"] is None else f"{s['attention_ms']:.3f}"
-        lines.append(f"{i:>4} {s['kind']:>7} {s['tokens']:>6} {s['context']:>7} {s['variant']:>17} {attn:>8} "
-                     f"{s['step_ms']:>8.2f}")
+        gpu = "-" if s["gpu_ms"] is None else f"{s['gpu_ms']:.3f}"
+        lines.append(f"{i:>4} {s['kind']:>7} {s['tokens']:>6} {s['context']:>7} {s['variant']:>17} {attn:>8} {gpu:>7} "
+                     f"{s['encode_ms']:>9.3f} {s['step_ms']:>8.2f} {s['dispatches']:>10}")
     return "\n".join(lines)
 
 

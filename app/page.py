@@ -180,3 +180,29 @@ def new_chat(chat) -> None:
 def carry_over(old_chat, new_chat) -> None:
     """After the model is reloaded (e.g. the GPU device was lost), keep the conversation."""
     new_chat.messages = list(old_chat.messages)
+
+
+async def decode_encode_benchmark(chat, steps: int, replay: bool) -> str:
+    """`steps` greedy decode steps from a one-token prompt; per step the host's encode time (JSON).
+
+    With `replay` false every pass is encoded in Python, the way the native path's first step is;
+    with it true, decode steps replay the recorded passes in one call into JS (static/replay.js).
+    The chat's KV cache is emptied (its next reply prefills the conversation again).
+    """
+    import json
+
+    from model_glue.model import generate
+
+    model = chat.model
+    model.reset()
+    model.replay_recorded = bool(replay)
+    try:
+        run = await generate(model, [chat.tokenizer.bos_id or 1], max_new_tokens=int(steps) + 1)
+    finally:
+        model.replay_recorded = True
+        model.reset()
+    decode = [s for s in run.stats if s.kind == "decode"]
+    return json.dumps({"replay": bool(replay), "token_ids": run.token_ids,
+                       "encode_ms": [s.encode_ms for s in decode], "step_ms": [s.step_ms for s in decode],
+                       "gpu_ms": [s.gpu_ms for s in decode], "dispatches": [s.dispatches for s in decode],
+                       "replayed_by": model.replayed_by if replay else None})

@@ -15,8 +15,8 @@ from model_glue.contract import MODEL_ARTIFACT_FORMAT
 
 PROJECT_PACKAGE = "sharded-decode-demo"  # the name the page passes to pyodide.loadPackage
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip")
-PAGE_FILES = ("index.html", "main.js", "charts.js", "weights_cache.js", "export.js", "style.css", "favicon.svg",
-              "long_document.txt")
+PAGE_FILES = ("index.html", "main.js", "charts.js", "weights_cache.js", "export.js", "replay.js", "style.css",
+              "favicon.svg", "long_document.txt")
 MODELS = ("smollm2", "tiny_chat")
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -23,8 +23,8 @@ NEST_BUILDERS = {"tiled": decode_attention_tiled, "sharded": decode_attention_sh
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe, **NEST_BUILDERS,
     "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
-    "embedding_q8": llama.embedding_q8, "quantized_matmul": llama.quantized_matmul,
-    "rope_and_append": llama.rope_and_append, "argmax": llama.argmax,
+    "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
+    "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
 }
 
@@ -89,10 +89,14 @@ def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     """The builder arguments of one role (its builder is LLAMA_ROLES[role].builder)."""
     if role == "embed":
         return (c.vocab_size, c.dim, dtype)
+    if role == "rms_norm":
+        return (c.dim, c.rms_eps, dtype)
     if role == "rope_append":
         return (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype)
-    if role == "norm_lm_head":  # f32 logits for the argmax
-        return (c.vocab_size, c.dim, dtype, "q8", 1, False, "float32", c.rms_eps)
+    if role == "swiglu":
+        return (c.ffn_dim, dtype)
+    if role in ("norm_lm_head", "lm_head"):  # f32 logits for the argmax
+        return (c.vocab_size, c.dim, dtype, "q8", 1, False, "float32", c.rms_eps if role == "norm_lm_head" else None)
     if role == "argmax":
         return (c.vocab_size,)
     if role == "sample":

@@ -54,6 +54,45 @@ def embedding_q8(vocab: int, dim: int, dtype: str):
     return embedding
 
 
+def rms_norm(dim: int, eps: float, dtype: str):
+    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row (CPU rasterizers only: GPUs
+    fold the norm into the matmul that consumes it)."""
+    TRIPS = (dim + THREADS - 1) // THREADS
+    LEVELS = THREADS.bit_length() - 1
+
+    @T.prim_func(s_tir=True)
+    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        x = T.match_buffer(x_h, (n, dim), dtype)
+        weight = T.match_buffer(weight_h, (dim,), "float32")
+        out = T.match_buffer(out_h, (n, dim), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rms_norm"):
+                    T.reads()
+                    T.writes()
+                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            v: T.let[T.float32] = T.Cast("float32", x[i, trip * THREADS + t])
+                            acc[0] = acc[0] + v * v
+                    partial[t] = acc[0]
+                    for level in T.unroll(LEVELS):
+                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+                        if t < half:
+                            partial[t] = partial[t] + partial[t + half]
+                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + T.float32(eps))
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            out[i, trip * THREADS + t] = T.Cast(
+                                dtype, T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t])
+
+    return rms_norm_kernel
+
+
 def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_format: str,
                      tokens_per_group: int, residual: bool, out_dtype: str | None = None,
                      norm_eps: float | None = None, swiglu: bool = False):
@@ -67,13 +106,19 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
     (A barrier-free one-row-per-invocation variant was measured no faster on lavapipe.)
 
     With `norm_eps`, x is RMS-normalized with weight `norm` first. Since
-    norm(x) @ W^T = inv_rms(x) * ((x * norm) @ W^T), the lanes multiply x by `norm` as they read
-    it, the lanes of row 0 also sum x^2 over the same words, and the epilogue scales the row's total
-    by inv_rms: the normalized x never goes to memory, and it is not rounded to `dtype` either.
+    norm(x) @ W^T = inv_rms(x) * (x @ (W * norm)^T), the lanes scale each dequantized weight by
+    `norm`, the lanes of row 0 also sum x^2 over the same words, and the epilogue scales the row's
+    total by inv_rms: the normalized x never goes to memory, and it is not rounded to `dtype`
+    either.
 
     With `swiglu`, W holds the gate rows then the up rows ([2F, in]) and y[n, F] =
     silu(x @ Wg^T) * (x @ Wu^T): a workgroup's rows 0-3 are gate rows and rows 4-7 the up rows of
     the same four outputs, so the epilogue finds both totals in workgroup memory.
+
+    Both folds are for GPUs, where a dispatch costs more than the work folded in. On lavapipe
+    they cost more than the dispatches they save (SmolLM2 decode: the folded qkv 1.9 ms against
+    1.1 + 0.1 ms apart; gate/up with SwiGLU 4.3 ms against 3.4 + 0.06 ms: two row streams per
+    workgroup instead of one), so CPU rasterizers run rms_norm, the plain matmul and swiglu.
     """
     ROWS, LANES = 8, 32
     TOKENS = tokens_per_group
@@ -98,8 +143,8 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
             return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15))) * s + m
         return T.Cast("float32", _sign_extend_byte(word, k)) * s
 
-    def input_value(x, norm, token, column):
-        value = T.Cast("float32", x[token, column])
+    def normed_weight(value, norm, column):
+        # the norm's weight scales W's column (once per weight, not once per token)
         return value * norm[column] if normed else value
 
     @T.prim_func(s_tir=True)
@@ -140,10 +185,10 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
                                     s: T.let[T.float32] = scale[row, blk]
                                     m: T.let[T.float32] = T.if_then_else(weight_format == "q4", wmin[row, blk], T.float32(0))
                                     for k in T.unroll(PER_WORD):
-                                        wv: T.let[T.float32] = weight_value(word, k, s, m)
+                                        wv: T.let[T.float32] = normed_weight(weight_value(word, k, s, m), norm, wi * PER_WORD + k)
                                         for j in T.unroll(TOKENS):
                                             if tok0 + j < n:
-                                                acc[j] = acc[j] + wv * input_value(x, norm, tok0 + j, wi * PER_WORD + k)
+                                                acc[j] = acc[j] + wv * T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
                                                 if normed:
                                                     if r == 0:  # every row reads the same x: one row sums it
                                                         xv: T.let[T.float32] = T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
@@ -237,6 +282,30 @@ def _log2(x: float) -> float:
     import math
 
     return math.log2(x)
+
+
+def swiglu(ffn_dim: int, dtype: str):
+    """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j] (CPU rasterizers only: GPUs fold it into
+    the gate/up matmul's epilogue)."""
+
+    @T.prim_func(s_tir=True)
+    def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
+        h = T.match_buffer(h_h, (n, ffn_dim), dtype)
+        for jb in T.thread_binding(T.ceildiv(ffn_dim, THREADS), thread="blockIdx.x"):
+            for i in T.thread_binding(n, thread="blockIdx.y"):
+                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    with T.sblock("swiglu"):
+                        T.reads()
+                        T.writes()
+                        j: T.let[T.int32] = jb * THREADS + t
+                        if j < ffn_dim:
+                            g: T.let[T.float32] = T.Cast("float32", gate_up[i, j])
+                            h[i, j] = T.Cast(dtype, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", gate_up[i, ffn_dim + j]))
+
+    return swiglu_kernel
 
 
 def _best_pair_tree():

@@ -150,6 +150,7 @@ ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
 # and (max, denominator) in the log2 domain, dense for the call's S: [B, H_qo, S, D] and [B, H_qo, S, 2].
 SPLIT_WORKSPACE = ("partial_o", "partial_stats")
 
+_MATMUL = ("x", "w", "scale", "wmin", "y")
 _NORM_MATMUL = ("x", "norm", "w", "scale", "wmin", "y")  # RMSNorm folded in (`norm`: its weight)
 _MATMUL_RESIDUAL = ("x", "w", "scale", "wmin", "resid", "y")
 
@@ -163,23 +164,29 @@ class KernelRole:
     buffers: tuple[str, ...]
 
 
-# The layer's four matmuls, each with what is folded into it; a layer is these four dispatches plus
-# RoPE/append and attention (LAYER_MATMULS[m] gives the weight matrix it reads).
+# The layer's matmuls, each with what is folded into it (LAYER_MATMULS[m] gives the weight matrix it
+# reads). On GPUs a layer is norm_qkv, RoPE/append, attention, o_residual, norm_gate_up_swiglu and
+# down_residual; CPU rasterizers run rms_norm, qkv, ..., rms_norm, gate_up, swiglu, down_residual.
 LAYER_MATMULS = {
     "norm_qkv": "qkv",  # qkv = norm(x) @ Wqkv^T
+    "qkv": "qkv",
     "o_residual": "o",  # x_mid = x + attn @ Wo^T
     "norm_gate_up_swiglu": "gate_up",  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
+    "gate_up": "gate_up",
     "down_residual": "down",  # x = x_mid + h @ Wdown^T
 }
 LLAMA_ROLES = {
     "embed": KernelRole("embedding_q8", ("ids", "q8", "scale", "out")),
+    "rms_norm": KernelRole("rms_norm", ("x", "weight", "out")),
     "rope_append": KernelRole("rope_and_append", ("qkv", "positions", "slots", "pages", "q")),
+    "swiglu": KernelRole("swiglu", ("gate_up", "h")),
     "norm_lm_head": KernelRole("quantized_matmul", ("x", "norm", "w", "scale", "y")),  # q8, tied embedding
+    "lm_head": KernelRole("quantized_matmul", ("x", "w", "scale", "y")),
     "argmax": KernelRole("argmax", ("logits", "out")),
     "sample": KernelRole("sample_top_k_top_p", ("logits", "out")),  # top-k, top-p, temperature
     # decode (one token per pass) and prefill (PREFILL_TOKENS_PER_GROUP tokens per workgroup)
-    **{f"{matmul}_{phase}": KernelRole("quantized_matmul",
-                                       _MATMUL_RESIDUAL if matmul.endswith("_residual") else _NORM_MATMUL)
+    **{f"{matmul}_{phase}": KernelRole("quantized_matmul", _MATMUL_RESIDUAL if matmul.endswith("_residual") else
+                                       _NORM_MATMUL if matmul.startswith("norm_") else _MATMUL)
        for phase in ("decode", "prefill") for matmul in LAYER_MATMULS},
 }
 MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)

@@ -88,20 +88,24 @@ class Kernel:
                                     f"maxComputeWorkgroupsPerDimension={most} on this adapter")
         return (x, y, 1)
 
-    def bind(self, buffers: dict, values: dict[str, float]) -> "BoundKernel":
+    def bind(self, buffers: dict, values: dict[str, float], uniform=None) -> "BoundKernel":
         """Bind named GPU buffers and scalar/shape values; the result can be dispatched repeatedly.
 
         `buffers` must name exactly the buffers the kernel declares: a missing one cannot be
         bound, and an extra one means the caller and the kernel disagree on the contract.
+        `uniform`, when given, is a uniform buffer already holding `values` (shared by several
+        bindings of this kernel; its owner frees it).
         """
         if buffers.keys() != set(self.buffer_names):
             missing = sorted(set(self.buffer_names) - buffers.keys())
             extra = sorted(buffers.keys() - set(self.buffer_names))
             raise KeyError(f"{self.name} declares buffers {self.buffer_names}; missing {missing}, not declared {extra}")
         grid = self.grid(values)
-        uniform = self.device.uniform_buffer(self.pod_bytes(values, grid[0]))
+        owns_uniform = uniform is None
+        if owns_uniform:
+            uniform = self.device.uniform_buffer(self.pod_bytes(values, grid[0]))
         ordered = [buffers[n] for n in self.buffer_names] + [uniform]
-        return BoundKernel(self, self.device.bind_group(self.pipeline, ordered), grid, uniform)
+        return BoundKernel(self, self.device.bind_group(self.pipeline, ordered), grid, uniform if owns_uniform else None)
 
 
 class BoundKernel:
@@ -109,7 +113,7 @@ class BoundKernel:
         self.kernel = kernel
         self.bind_group = bind_group
         self.grid = grid
-        self.uniform = uniform  # kept alive with the bind group
+        self.uniform = uniform  # kept alive with the bind group; None when shared (its owner frees it)
 
     def update(self, values: dict[str, float]) -> None:
         """New scalar/shape values for the same buffers (rewrites the uniform in place)."""
@@ -117,11 +121,12 @@ class BoundKernel:
         self.kernel.device.write(self.uniform, self.kernel.pod_bytes(values, self.grid[0]))
 
     def dispatch(self, batch, timestamps=None) -> None:
-        batch.dispatch(self.kernel.pipeline, self.bind_group, self.grid, timestamps)
+        batch.dispatch(self.kernel.pipeline, self.bind_group, self.grid, timestamps, source=self)
 
     def release(self) -> None:
         """Free the uniform now (work already submitted still completes)."""
-        self.kernel.device.destroy(self.uniform)
+        if self.uniform is not None:
+            self.kernel.device.destroy(self.uniform)
 
     def release_after(self, batch) -> None:
         """A one-shot binding: its uniform is freed once `batch` is submitted."""
@@ -139,47 +144,100 @@ class _PlanEntry:
         self.per_step = per_step
 
 
+class _SharedUniform:
+    """The uniform every per-step binding of one kernel in a plan reads (e.g. attention in each
+    layer: the same context, so one write per step serves all of them)."""
+
+    def __init__(self, kernel: Kernel, values: dict):
+        self.kernel = kernel
+        self.values = dict(values)
+        self.grid = kernel.grid(values)
+        self.buffer = kernel.device.uniform_buffer(kernel.pod_bytes(values, self.grid[0]))
+        self.written_in_pass = -1
+
+    def set(self, values: dict, pass_number: int) -> None:
+        if values == self.values:
+            return
+        if self.written_in_pass == pass_number:
+            raise StaleBindingError(f"{self.kernel.name}: its per-step dispatches in one pass must share values "
+                                    "(they share one uniform)")
+        self.grid = self.kernel.grid(values)
+        self.kernel.device.write(self.buffer, self.kernel.pod_bytes(values, self.grid[0]))
+        self.values = dict(values)
+        self.written_in_pass = pass_number
+
+
 class DispatchPlan:
     """Bound kernels of a pass that repeats (a decode step), replayed in the same order each time.
 
-    Each entry is bound once, with the buffers and values of its first use. An entry declared
-    `per_step` (decode attention: the context grows every step) has its uniform rewritten when its
-    values change; for any other entry a change of values is an error, since replaying its binding
-    would silently run it with the old ones. Buffers are fixed for the plan's life: whoever
-    reallocates a buffer drops the plan (`release`).
+    Each entry is bound once, with the buffers and values of its first use. The entries of a
+    kernel declared `per_step` (decode attention: the context grows every step) share one uniform,
+    rewritten once per pass when the values change; for any other entry a change of values is an
+    error, since replaying its binding would silently run it with the old ones. Buffers are fixed
+    for the plan's life: whoever reallocates a buffer drops the plan (`release`).
     """
 
     def __init__(self):
         self.entries: list[_PlanEntry] = []
         self._cursor = 0
+        self._passes = 0
+        self._shared: dict[str, _SharedUniform] = {}  # kernel name -> its per-step entries' uniform
 
     def start(self) -> None:
         """A new pass: replay from the first entry."""
         self._cursor = 0
+        self._passes += 1
 
     def dispatch(self, batch, kernel: Kernel, buffers: dict, values: dict, *, per_step: bool = False) -> None:
         index = self._cursor
         self._cursor += 1
+        shared = None
+        if per_step:
+            shared = self._shared.get(kernel.name)
+            if shared is None:
+                shared = self._shared[kernel.name] = _SharedUniform(kernel, values)
+            shared.set(values, self._passes)
         if index == len(self.entries):
-            self.entries.append(_PlanEntry(kernel.bind(buffers, values), values, per_step))
+            bound = kernel.bind(buffers, values, shared.buffer if shared else None)
+            self.entries.append(_PlanEntry(bound, values, per_step))
         entry = self.entries[index]
         if entry.bound.kernel is not kernel or entry.per_step != per_step:
             raise StaleBindingError(f"dispatch {index} of the plan was {entry.bound.kernel.name}, now {kernel.name}: "
                                     "a repeated pass must dispatch the same kernels in the same order")
-        if values != entry.values:
-            if not per_step:
-                changed = sorted(k for k in values.keys() | entry.values.keys() if values.get(k) != entry.values.get(k))
-                raise StaleBindingError(f"{kernel.name}: values {changed} changed between steps, but it is not "
-                                        "declared per_step, so its binding would replay the old ones")
-            entry.bound.update(values)
-            entry.values = dict(values)
+        if per_step:
+            entry.bound.grid = shared.grid
+            entry.values = shared.values
+        elif values != entry.values:
+            changed = sorted(k for k in values.keys() | entry.values.keys() if values.get(k) != entry.values.get(k))
+            raise StaleBindingError(f"{kernel.name}: values {changed} changed between steps, but it is not "
+                                    "declared per_step, so its binding would replay the old ones")
         entry.bound.dispatch(batch)
+
+    def refresh(self, per_step: list) -> None:
+        """A new pass that will be replayed, not dispatched: write the per-step kernels' values
+        [(kernel, values)] into their shared uniforms and give their entries the new grids."""
+        self.start()
+        for kernel, values in per_step:
+            self._shared[kernel.name].set(values, self._passes)
+        for entry in self.entries:
+            if entry.per_step:
+                shared = self._shared[entry.bound.kernel.name]
+                entry.bound.grid = shared.grid
+                entry.values = shared.values
 
     @property
     def per_step_kernels(self) -> list[str]:
         return [e.bound.kernel.name for e in self.entries if e.per_step]
 
+    @property
+    def uniform_writes_per_step(self) -> int:
+        """At most this many uniforms are rewritten per pass (one per per-step kernel)."""
+        return len(self._shared)
+
     def release(self) -> None:
         for entry in self.entries:
             entry.bound.release()
+        for shared in self._shared.values():
+            shared.kernel.device.destroy(shared.buffer)
         self.entries.clear()
+        self._shared.clear()

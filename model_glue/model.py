@@ -31,6 +31,9 @@ MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in 
 # The split workspace serves batch * num_splits rows: a prefill chunk's pseudo-sequences at S = 1,
 # or one decode sequence at up to MAX_SPLITS splits.
 SPLIT_WORKSPACE_ROWS = max(MAX_PREFILL_CHUNK, MAX_SPLITS)
+# Passes in flight at once: a decode step is submitted before the previous step's id is read back.
+PIPELINE_DEPTH = 2
+STAMPS_OFFSET = 8  # a pass's readback: the chosen id (4 bytes, padded), then its raw timestamps
 STOPPED_BY_USER = "stopped by user"
 STOPPED_IN_PREFILL = "stopped during prefill"
 
@@ -75,8 +78,28 @@ class StepStats:
     nest: str  # "tiled" or "sharded" (the family; the comparison mode's axis)
     variant: str  # what ran: "tiled", "sharded", "split S=8", "split_group S=1"
     attention_ms: float | None  # GPU time of all attention dispatches, summed over layers
-    step_ms: float  # wall time of the whole pass: encoding, GPU work, token id and timestamps back
+    step_ms: float  # wall time of the pass (encoding, GPU work, token id back); pipelined steps overlap,
+    #                 so a decode step counts from when the previous id arrived
     timing_note: str = ""
+    encode_ms: float = 0.0  # host time to encode and submit the pass
+    gpu_ms: float | None = None  # GPU time from the pass's first dispatch to its last (timestamps)
+    dispatches: int = 0  # compute dispatches in the pass
+
+
+@dataclass
+class InFlightPass:
+    """A submitted pass whose token id is not read back yet (`LlamaModel.finish` reads it)."""
+
+    staging: object  # the readback buffer its id and timestamps are copied to
+    kind: str
+    tokens: int
+    start: int  # cache length before it
+    context: int
+    nest: str
+    variant: str
+    started: float  # perf_counter() when its encoding began
+    encode_ms: float
+    dispatches: int
 
 
 class PagedKVCache:
@@ -155,7 +178,20 @@ class LlamaModel:
         # Decode passes (n = 1) dispatch the same kernels on the same buffers every step: their
         # bind groups are made once per nest, and only attention's values change per step.
         self._decode_plans: dict[str, DispatchPlan] = {}
+        # ... and once a plan has run, its passes are recorded and later steps replay them
+        # (in the page, with one call into JS): see `submit`.
+        self._recorded: dict[str, object] = {}
+        self.replay_recorded = True  # False: encode every pass in Python (the page benchmark's baseline)
+        # GPUs fold each RMSNorm into the matmul after it and SwiGLU into the gate/up matmul (6
+        # dispatches per layer instead of 9). On a CPU rasterizer the folds cost more than the
+        # dispatches they save (kernels.llama.quantized_matmul), so it runs them apart.
+        self.fold_norms = not device.is_cpu
         self._stamps = None
+        # PIPELINE_DEPTH readback buffers, used in turn; `_in_flight` holds those of unfinished passes.
+        self._staging: list = []
+        self._in_flight: list = []
+        self._passes_submitted = 0
+        self._last_finish = 0.0
         self.stats: list[StepStats] = []
         self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
         self.sharded_override: str | None = None  # e.g. "split:8": forces the sharded family's variant
@@ -225,10 +261,10 @@ class LlamaModel:
         max_pages = PagedKVCache.pages_for(c)
         return {
             "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
-            "x_a": e * n * c.dim, "x_b": e * n * c.dim,
+            "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
             "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
-            "ffn": e * n * c.ffn_dim,
+            "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
             "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
             "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
             **split_workspace_bytes(SPLIT_WORKSPACE_ROWS, c.attention_shape),
@@ -247,12 +283,18 @@ class LlamaModel:
         for plan in self._decode_plans.values():  # they bound the old buffers
             plan.release()
         self._decode_plans.clear()
+        self._recorded.clear()
         for name, size in {"last": e * c.dim, "logits": 4 * c.vocab_size,
                            "next_id": 4}.items():
             if name not in self.buffers:  # one-token buffers never grow
                 self.buffers[name] = dev.storage_buffer(size)
         if dev.has_timestamps and self._stamps is None:
-            self._stamps = dev.timestamps(2 * c.n_layers)  # reused every pass: query sets are scarce
+            # Each layer's attention, then the whole pass (SPAN_BEGIN, SPAN_END); reused every pass:
+            # query sets are scarce. A pass copies them out before the next one writes them.
+            self._stamps = dev.timestamps(2 * c.n_layers + 2)
+        if not self._staging:
+            stamp_bytes = 8 * self._stamps.count if self._stamps is not None else 0
+            self._staging = [dev.staging_buffer(STAMPS_OFFSET + stamp_bytes) for _ in range(PIPELINE_DEPTH)]
         self._scratch_tokens = n
 
     # -- one forward pass -----------------------------------------------------------------------
@@ -261,17 +303,26 @@ class LlamaModel:
         """Run `token_ids` (appended to the cache) and return the next token id: the argmax, or
         with a non-greedy `sampling` the token that `draw` (uniform in [0, 1)) picks. `kind`
         labels the pass in the stats (default: "prefill" for several tokens, else "decode")."""
+        return await self.finish(self.submit(token_ids, attention, sampling, draw, kind))
+
+    def submit(self, token_ids: list[int] | None, attention: str = "auto", sampling: Sampling = GREEDY,
+               draw: float = 0.0, kind: str | None = None) -> InFlightPass:
+        """Encode and submit one pass without waiting for it; `finish` reads its token id.
+
+        `token_ids=None` runs one token whose id is still on the GPU: the one the last submitted
+        pass chose. So a decode step can be submitted before the previous step's id is read back.
+        """
         started = time.perf_counter()  # the step time covers encoding, GPU work and readback
         c = self.config
-        n = len(token_ids)
+        n = 1 if token_ids is None else len(token_ids)
         if n == 0:
             raise ModelError("nothing to run: the prompt is empty")
         if self.kv.length + n > c.max_context:
             raise ModelError(f"context would reach {self.kv.length + n} tokens; this model holds {c.max_context}")
+        if token_ids is None and not self.cached_ids:
+            raise ModelError("no token on the GPU to continue from: run the prompt first")
         self._ensure_scratch(n)
         start = self.kv.length
-        slots = self.kv.reserve(n)
-        self.cached_ids.extend(token_ids)
         contexts = [start + i + 1 for i in range(n)]  # causal: token i sees the prefix through itself
         try:
             nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
@@ -281,44 +332,133 @@ class LlamaModel:
         if nest == "sharded":
             choice = pick_sharded_variant(contexts, c.attention_shape, is_cpu=self.device.is_cpu,
                                           max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
+        slots = self.kv.reserve(n)
+        # None marks an id that is still on the GPU; `finish` of the pass that chooses it fills it in.
+        self.cached_ids.extend([None] if token_ids is None else token_ids)
         indptr, page_ids, last_len = self.kv.page_table(contexts)
         dev, buf = self.device, self.buffers
-        dev.write(buf["ids"], array("i", token_ids).tobytes())
+        if token_ids is not None:  # a one-token pass reads its id where the last pass's argmax wrote
+            dev.write(buf["ids"] if n > 1 else buf["next_id"], array("i", token_ids).tobytes())
         dev.write(buf["positions"], array("i", range(start, start + n)).tobytes())
         dev.write(buf["slots"], array("i", slots).tobytes())
         dev.write(buf["indptr"], indptr.tobytes())
         dev.write(buf["page_ids"], page_ids.tobytes())
         dev.write(buf["last_len"], last_len.tobytes())
 
+        if len(self._in_flight) >= PIPELINE_DEPTH:
+            raise ValueError(f"at most {PIPELINE_DEPTH} passes can be in flight: finish one first")
         stamps = self._stamps
+        staging = self._staging[self._passes_submitted % PIPELINE_DEPTH]
+        self._passes_submitted += 1
         batch = dev.batch()
-        self._encode_forward(batch, n, choice, len(page_ids), stamps, sampling, draw)
+        plan_key = f"{choice.variant}/{'argmax' if sampling.greedy else 'sample'}"
+        replay = n == 1 and self.replay_recorded
+        recorded = self._recorded.get(plan_key) if replay else None
+        if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
+            self._decode_plans[plan_key].refresh(self._per_step_values(choice, len(page_ids), sampling, draw))
+            batch.replay(recorded)
+        else:
+            batch.tape = [] if replay else None
+            self._encode_forward(batch, n, choice, len(page_ids), stamps, sampling, draw, plan_key)
+            if replay:
+                self._recorded[plan_key] = dev.record(batch.stop_recording())
+        # One readback per pass: the chosen id, then the raw timestamps, copied side by side.
+        batch.copy(buf["next_id"], 0, staging, 0, 4)
         if stamps is not None:
             batch.resolve(stamps)
+            batch.copy(stamps.resolved, 0, staging, STAMPS_OFFSET, 8 * stamps.count)
         batch.submit()
-        (next_id,) = struct.unpack("<i", await dev.read(buf["next_id"], 4))  # queued after the pass
-        attention_ms, note = None, "no timestamp-query on this adapter"
-        if stamps is not None:
-            ticks = await stamps.read_ns()
-            spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(c.n_layers)]
+        encode_ms = (time.perf_counter() - started) * 1e3
+        self._in_flight.append(staging)
+        return InFlightPass(staging, kind or ("prefill" if n > 1 else "decode"), n, start, contexts[-1], nest,
+                            str(choice), started, encode_ms, batch.dispatches)
+
+    async def finish(self, step: InFlightPass) -> int:
+        """Wait for a submitted pass, record its stats and return the token id it chose."""
+        next_id, ticks = await self._read_back(step)
+        end = step.start + step.tokens
+        if end < len(self.cached_ids) and self.cached_ids[end] is None:
+            self.cached_ids[end] = next_id  # the next pass, already submitted, was fed this id on the GPU
+        attention_ms = gpu_ms = None
+        note = "no timestamp-query on this adapter"
+        if ticks is not None:
+            layers = self.config.n_layers
+            spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(layers)]
             attention_ms = sum(spans) / 1e6
+            gpu_ms = (ticks[2 * layers + 1] - ticks[2 * layers]) / 1e6
             note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
-        step_ms = (time.perf_counter() - started) * 1e3
-        self.stats.append(StepStats(kind or ("prefill" if n > 1 else "decode"), n, contexts[-1], nest, str(choice),
-                                    attention_ms, step_ms, note))
+        now = time.perf_counter()
+        # Pipelined steps overlap: a step's time runs from when the previous id arrived (or from its
+        # own start, if that is later) to when its own id arrives.
+        step_ms = (now - max(step.started, self._last_finish)) * 1e3
+        self._last_finish = now
+        self.stats.append(StepStats(step.kind, step.tokens, step.context, step.nest, step.variant, attention_ms,
+                                    step_ms, note, round(step.encode_ms, 3), gpu_ms, step.dispatches))
         return next_id
 
+    async def discard(self, step: InFlightPass) -> None:
+        """Undo the last submitted pass (a step run ahead that is not wanted): its K/V slots are
+        forgotten and it leaves no stats. Waits for it, since its readback buffer is reused."""
+        if step.start + step.tokens != self.kv.length:
+            raise ValueError("only the last submitted pass can be discarded")
+        await self._read_back(step)
+        self.rollback(step.start)
+
+    async def _read_back(self, step: InFlightPass) -> tuple[int, list[int] | None]:
+        if not self._in_flight or self._in_flight[0] is not step.staging:
+            raise ValueError("passes must be finished in the order they were submitted")
+        self._in_flight.pop(0)
+        stamps = self._stamps
+        size = STAMPS_OFFSET + (8 * stamps.count if stamps is not None else 0)
+        raw = await self.device.read_staging(step.staging, size)
+        (next_id,) = struct.unpack_from("<i", raw)
+        ticks = list(memoryview(raw)[STAMPS_OFFSET:].cast("Q")) if stamps is not None else None
+        return next_id, ticks
+
+    @property
+    def replayed_by(self) -> list[str]:
+        """What replays recorded decode passes: RecordedPasses (Python) or BrowserRecordedPasses (JS)."""
+        return sorted({type(recorded).__name__ for recorded in self._recorded.values()})
+
+    def _attention_kernels(self, choice: AttentionChoice) -> list:
+        attention = [self.attention[choice.variant]]
+        if choice.variant in SPLIT_VARIANTS:
+            attention.append(self.attention["split_merge"])  # combines the S partial results
+        return attention
+
+    def _attention_call(self, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
+        """Buffers and values of one layer's attention (the values are the same in every layer)."""
+        c, buf = self.config, self.buffers
+        # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
+        # The page table grows with the context: attention's values change every step.
+        return attention_call(
+            q=buf["q"], pages=self.kv.layers[layer], page_table_indptr=buf["indptr"],
+            page_table_values=buf["page_ids"], length_info=buf["last_len"], k_rope_pos_offset=buf["zeros"],
+            q_rope_position=buf["zeros"], output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
+            max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
+            workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
+
+    @staticmethod
+    def _sample_values(sampling: Sampling, draw: float) -> dict:
+        return {"top_k": sampling.top_k, "temperature": sampling.temperature, "top_p": sampling.top_p, "draw": draw}
+
+    def _per_step_values(self, choice: AttentionChoice, nnz_pages: int, sampling: Sampling, draw: float) -> list:
+        """(kernel, values) of each kernel of a decode pass whose values change per step: attention
+        (the context grows) and the sampler (a new draw)."""
+        buffers, values = self._attention_call(0, 1, nnz_pages, choice)
+        pairs = [(kernel, v) for kernel, _, v in attention_dispatches(self._attention_kernels(choice), buffers, values)]
+        if not sampling.greedy:
+            pairs.append((self.kernels["sample"], self._sample_values(sampling, draw)))
+        return pairs
+
     def _encode_forward(self, batch, n: int, choice: AttentionChoice, nnz_pages: int, stamps, sampling: Sampling,
-                        draw: float) -> None:
+                        draw: float, plan_key: str) -> None:
         """The whole forward pass as kernel dispatches (bound per pass: shapes change with n)."""
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
         tokens = {"n": n}
-        picker = "argmax" if sampling.greedy else "sample"
-        plan = self._decode_plans.setdefault(f"{choice.variant}/{picker}", DispatchPlan()) if n == 1 else None
-        attention = [self.attention[choice.variant]]
-        if choice.variant in SPLIT_VARIANTS:
-            attention.append(self.attention["split_merge"])  # combines the S partial results
+        plan = self._decode_plans.setdefault(plan_key, DispatchPlan()) if n == 1 else None
+        attention = self._attention_kernels(choice)
         if plan is not None:
             plan.start()
 
@@ -338,49 +478,67 @@ class LlamaModel:
                 buffers["resid"] = resid
             run(k[f"{role}_{phase}"], buffers)
 
+        def normed_matmul(role, name, x, y, norm):
+            """norm(x) @ W^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
+            if self.fold_norms:
+                matmul(f"norm_{role}", name, x, y, norm=norm)
+            else:
+                run(k["rms_norm"], {"x": x, "weight": w[norm], "out": buf["normed"]})
+                matmul(role, name, buf["normed"], y)
+
+        def swiglu_ffn(name, x, h, norm):
+            """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels."""
+            if self.fold_norms:
+                matmul("norm_gate_up_swiglu", name, x, h, norm=norm)
+            else:
+                normed_matmul("gate_up", name, x, buf["gate_up"], norm)
+                run(k["swiglu"], {"gate_up": buf["gate_up"], "h": h})
+
         x, x_mid = buf["x_a"], buf["x_b"]
-        workspace = {name: buf[name] for name in SPLIT_WORKSPACE}  # the same for every layer
-        run(k["embed"], {"ids": buf["ids"], "q8": w["embed.q8"], "scale": w["embed.scale"], "out": x})
+        # The pass's GPU time runs from the embedding's start to the head's end (timestamps).
+        span_begin, span_end = 2 * c.n_layers, 2 * c.n_layers + 1
+        with batch.timed((stamps, span_begin, None)) if stamps is not None else nullcontext():
+            # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
+            run(k["embed"], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
+                             "scale": w["embed.scale"], "out": x})
         for layer in range(c.n_layers):
             p = f"layers.{layer}"
             pages = self.kv.layers[layer]
-            # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))), the norm folded into qkv
-            matmul("norm_qkv", f"{p}.qkv", x, buf["qkv"], norm=f"{p}.attn_norm")
+            # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
+            normed_matmul("qkv", f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
             run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
                                    "pages": pages, "q": buf["q"]}, {"n": n, "num_pages": self.kv.num_pages})
-            # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
-            # The page table grows with the context: attention's values change every step.
-            attn_buffers, attn_values = attention_call(
-                q=buf["q"], pages=pages, page_table_indptr=buf["indptr"], page_table_values=buf["page_ids"],
-                length_info=buf["last_len"], k_rope_pos_offset=buf["zeros"], q_rope_position=buf["zeros"],
-                output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
-                max_num_pages=self.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
-                workspace=workspace, num_splits=choice.num_splits)
+            attn_buffers, attn_values = self._attention_call(layer, n, nnz_pages, choice)
             with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if stamps is not None else nullcontext():
                 for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                     run(kernel, kernel_buffers, values, per_step=True)
             matmul("o_residual", f"{p}.o", buf["attn"], x_mid, resid=x)
-            # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid)))), norm and swiglu folded in
-            matmul("norm_gate_up_swiglu", f"{p}.gate_up", x_mid, buf["ffn"], norm=f"{p}.ffn_norm")
+            # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid)))), swiglu in gate_up's epilogue
+            swiglu_ffn(f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm")
             matmul("down_residual", f"{p}.down", buf["ffn"], x, resid=x_mid)
         # head: only the last token's logits are needed (a decode pass's x is that token already)
         last = x
         if n > 1:
             batch.copy(x, (n - 1) * c.dim * self.esize, buf["last"], 0, c.dim * self.esize)
             last = buf["last"]
-        run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], "w": w["embed.q8"], "scale": w["embed.scale"],
-                                "y": buf["logits"]}, {"n": 1})
-        if sampling.greedy:
-            run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
-        else:  # the draw changes every step
-            run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]},
-                {"top_k": sampling.top_k, "temperature": sampling.temperature, "top_p": sampling.top_p, "draw": draw},
-                per_step=True)
+        head = {"w": w["embed.q8"], "scale": w["embed.scale"], "y": buf["logits"]}  # the tied embedding, q8
+        with batch.timed((stamps, None, span_end)) if stamps is not None else nullcontext():
+            if self.fold_norms:
+                run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, {"n": 1})
+            else:
+                run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]}, {"n": 1})
+                run(k["lm_head"], {"x": buf["normed"], **head}, {"n": 1})
+            if sampling.greedy:
+                run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+            else:  # the draw changes every step
+                run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]}, self._sample_values(sampling, draw),
+                    per_step=True)
 
     def reset(self) -> None:
         self.kv.reset()
         self.cached_ids.clear()
         self.stats.clear()
+        self._in_flight.clear()  # passes left unfinished (an error midway) are abandoned
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens (a new turn reuses that prefix)."""
@@ -519,6 +677,21 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, atte
             on_prefill(min(chunk_start + MAX_PREFILL_CHUNK, len(new_ids)), len(new_ids))
     decode_started = time.perf_counter()
     result.prefill_ms = (decode_started - started) * 1e3
+    limit = max_new_tokens if forced_ids is None else len(forced_ids)
+
+    def submit_step(predicted: int, known_id: int | None = None):
+        """The decode step that predicts token `predicted + 1`. Its input, token `predicted`, is
+        the id the host knows, or else still on the GPU (the previous step chose it), unless
+        teacher forcing feeds another."""
+        fed = [known_id] if known_id is not None else None
+        if forced_ids is not None:
+            fed = [forced_ids[predicted - 1]]
+        return model.submit(fed, attention, sampling, draw())
+
+    # Pipelined: step t+1 is submitted before step t's id is read back, so the GPU works while the
+    # host reads an id, reports it and encodes the next step. A stop found in an id read back
+    # discards the one step already submitted after it; nothing of it remains.
+    pending = ahead = None
     while True:
         result.token_ids.append(next_id)
         result.decode_ms = (time.perf_counter() - decode_started) * 1e3
@@ -526,12 +699,17 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, atte
             await on_token(next_id)
         if forced_ids is None and next_id in stop_ids:
             result.stop_reason = "stop token"
-            break
-        if len(result.token_ids) >= (max_new_tokens if forced_ids is None else len(forced_ids)):
+        elif len(result.token_ids) >= limit:
             result.stop_reason = "max tokens"
-            break
-        if should_stop():
+        elif should_stop():
             result.stop_reason = STOPPED_BY_USER
-            break
-        fed = next_id if forced_ids is None else forced_ids[len(result.token_ids) - 1]
-        next_id = await model.forward([fed], attention, sampling, draw())
+        if result.stop_reason:
+            if pending is not None:
+                await model.discard(pending)
+            return
+        if pending is None:  # the first step after the prefill, whose id the host has
+            pending = submit_step(len(result.token_ids), next_id)
+        if len(result.token_ids) + 1 < limit:  # the step after it may be wanted: submit it now
+            ahead = submit_step(len(result.token_ids) + 1)
+        next_id = await model.finish(pending)
+        pending, ahead = ahead, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from array import array
 from contextlib import contextmanager
 
 # WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
@@ -129,18 +130,26 @@ class Device:
     async def read(self, buffer, nbytes: int, offset: int = 0) -> bytes:
         """Copy `nbytes` of a buffer back to the host (through a mappable staging buffer)."""
         size = _align4(nbytes)
-        staging = self._buffer(size, MAP_READ | COPY_DST)
+        staging = self.staging_buffer(size)
         try:
             batch = self.batch()
             batch.copy(buffer, offset, staging, 0, size)
             batch.submit()
-            data = await self._map_read(staging, size)
+            return (await self.read_staging(staging, size))[:nbytes]
+        finally:
+            self.destroy(staging)
+
+    def staging_buffer(self, nbytes: int):
+        """A buffer the host can map and read, filled by copies in a batch (a pass's readback)."""
+        return self._buffer(_align4(nbytes), MAP_READ | COPY_DST)
+
+    async def read_staging(self, staging, nbytes: int) -> bytes:
+        """Map a staging buffer once the work that fills it is done, and copy its bytes out."""
+        try:
+            return await self._map_read(staging, _align4(nbytes))
         except Exception as err:
             await self._settle_lost()  # a device-lost notification may still be on its way
             raise self._lost(err) from err
-        finally:
-            self.destroy(staging)
-        return data[:nbytes]
 
     # -- pipelines ----------------------------------------------------------------------------
     async def compute_pipeline(self, wgsl: str, entry: str, label: str = ""):
@@ -152,6 +161,10 @@ class Device:
 
     def batch(self) -> "Batch":
         return Batch(self)
+
+    def record(self, tape: list) -> RecordedPasses:
+        """The passes of a Batch's tape, ready to replay (`Batch.replay`)."""
+        return RecordedPasses(self, tape)
 
     def timestamps(self, count: int) -> "Timestamps":
         if not self.has_timestamps:
@@ -181,24 +194,53 @@ class Batch:
         self.encoder = device._create_encoder()
         self._open_pass = None
         self._release_after_submit: list = []
+        self.dispatches = 0  # compute dispatches encoded so far
+        # When a list: every pass boundary and dispatch is also appended to it, so the same
+        # passes can later be replayed in one call (`Device.record`, `Batch.replay`).
+        self.tape: list | None = None
 
-    def dispatch(self, pipeline, bind_group, grid: tuple[int, int, int], timestamps: tuple | None = None):
-        """Dispatch; `timestamps=(Timestamps, begin_index, end_index)` brackets it alone."""
+    def dispatch(self, pipeline, bind_group, grid: tuple[int, int, int], timestamps: tuple | None = None,
+                 source=None):
+        """Dispatch; `timestamps=(Timestamps, begin_index, end_index)` brackets it alone.
+        `source` (a BoundKernel, whose `grid` a replay reads) is what a tape records."""
         if timestamps is not None:
             with self.timed(timestamps):
-                self.dispatch(pipeline, bind_group, grid)
+                self.dispatch(pipeline, bind_group, grid, source=source)
             return
         if self._open_pass is None:
-            self._open_pass = self.device._begin_pass(self.encoder, None)
+            self._begin(None)
         self.device._dispatch_in(self._open_pass, pipeline, bind_group, grid)
+        self.dispatches += 1
+        if self.tape is not None:
+            if source is None:
+                raise ValueError("a recorded dispatch needs its BoundKernel (source=...)")
+            self.tape.append(("dispatch", source))
+
+    def _begin(self, timestamps) -> None:
+        self._open_pass = self.device._begin_pass(self.encoder, timestamps)
+        if self.tape is not None:
+            self.tape.append(("begin", timestamps))
+
+    def stop_recording(self) -> list:
+        """End the open pass and hand over the tape (its passes are then complete)."""
+        self._close_pass()
+        tape, self.tape = self.tape, None
+        return tape
+
+    def replay(self, recorded: "RecordedPasses") -> None:
+        """Encode passes recorded earlier, reading each dispatch's grid from its BoundKernel now."""
+        self._close_pass()
+        recorded.encode(self.encoder)
+        self.dispatches += recorded.dispatches
 
     @contextmanager
     def timed(self, timestamps: tuple):
         """Dispatches inside run in one compute pass whose start and end write `timestamps`
         (Timestamps, begin_index, end_index): e.g. a split attention's partial and merge kernels.
-        Within a pass WebGPU still orders each dispatch's storage writes before the next one."""
+        Either index may be None (that end writes no timestamp). Within a pass WebGPU still
+        orders each dispatch's storage writes before the next one."""
         self._close_pass()
-        self._open_pass = self.device._begin_pass(self.encoder, timestamps)
+        self._begin(timestamps)
         try:
             yield
         finally:
@@ -208,6 +250,8 @@ class Batch:
         if self._open_pass is not None:
             self._open_pass.end()
             self._open_pass = None
+            if self.tape is not None:
+                self.tape.append(("end",))
 
     def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int) -> None:
         self._close_pass()
@@ -230,6 +274,30 @@ class Batch:
         finally:
             for buffer in self._release_after_submit:
                 self.device.destroy(buffer)
+
+
+class RecordedPasses:
+    """Compute passes recorded from a Batch's tape, encoded again with one call per replay (the
+    same pipelines, bind groups and timestamp writes; each grid read from its BoundKernel, since
+    a per-step kernel's grid may change). This backend's version walks the tape in Python."""
+
+    def __init__(self, device: "Device", tape: list):
+        if any(op[0] not in ("begin", "dispatch", "end") for op in tape):
+            raise ValueError("only compute passes can be recorded")
+        self.device = device
+        self.tape = list(tape)
+        self.dispatches = sum(op[0] == "dispatch" for op in tape)
+
+    def encode(self, encoder) -> None:
+        device, compute = self.device, None
+        for op in self.tape:
+            if op[0] == "dispatch":
+                bound = op[1]
+                device._dispatch_in(compute, bound.kernel.pipeline, bound.bind_group, bound.grid)
+            elif op[0] == "begin":
+                compute = device._begin_pass(encoder, op[1])
+            else:
+                compute.end()
 
 
 class Timestamps:
@@ -322,11 +390,11 @@ class WgpuDevice(Device):
         kwargs = {}
         if timestamps is not None:
             queries, begin, end = timestamps
-            kwargs["timestamp_writes"] = {
-                "query_set": queries.query_set,
-                "beginning_of_pass_write_index": begin,
-                "end_of_pass_write_index": end,
-            }
+            kwargs["timestamp_writes"] = {"query_set": queries.query_set}
+            if begin is not None:
+                kwargs["timestamp_writes"]["beginning_of_pass_write_index"] = begin
+            if end is not None:
+                kwargs["timestamp_writes"]["end_of_pass_write_index"] = end
         return encoder.begin_compute_pass(**kwargs)
 
     def _dispatch_in(self, compute, pipeline, bind_group, grid):
@@ -400,6 +468,13 @@ class BrowserDevice(Device):
         if info is not None and self.lost_reason is None:
             self._on_lost(info)
 
+    def record(self, tape: list) -> RecordedPasses:
+        import js
+
+        if getattr(js, "replayComputePasses", None) is None:  # static/replay.js, installed by the page
+            return RecordedPasses(self, tape)
+        return BrowserRecordedPasses(self, tape)
+
     def _create_buffer(self, size, usage):
         return self._device.createBuffer(_js({"size": size, "usage": usage}))
 
@@ -442,15 +517,7 @@ class BrowserDevice(Device):
         return self._device.createCommandEncoder()
 
     def _begin_pass(self, encoder, timestamps):
-        desc = {}
-        if timestamps is not None:
-            queries, begin, end = timestamps
-            desc["timestampWrites"] = {
-                "querySet": queries.query_set,
-                "beginningOfPassWriteIndex": begin,
-                "endOfPassWriteIndex": end,
-            }
-        return encoder.beginComputePass(_js(desc))
+        return encoder.beginComputePass(_js(_pass_descriptor(timestamps)))
 
     def _dispatch_in(self, compute, pipeline, bind_group, grid):
         compute.setPipeline(pipeline)
@@ -472,12 +539,62 @@ class BrowserDevice(Device):
         self._device.queue.submit(js.Array.of(encoder.finish()))
 
 
+class BrowserRecordedPasses(RecordedPasses):
+    """The tape held on the JS side (pipelines, bind groups, pass descriptors), replayed by
+    static/replay.js in one Python->JS call: encoding ~180 dispatches through Pyodide's proxies,
+    three calls each, costs milliseconds; one call and a grid array cost far less."""
+
+    def __init__(self, device: "BrowserDevice", tape: list):
+        import js
+
+        super().__init__(device, tape)
+        self._bounds = [op[1] for op in tape if op[0] == "dispatch"]
+        self._grids = array("i", [v for bound in self._bounds for v in bound.grid])
+        self._js_grids = js.Int32Array.new(len(self._grids))
+        self._js_grids.assign(self._grids)
+        ops = js.Array.new()
+        for op in tape:
+            if op[0] == "dispatch":
+                ops.push(js.Array.of(1, op[1].kernel.pipeline, op[1].bind_group))
+            elif op[0] == "begin":
+                ops.push(js.Array.of(0, _js(_pass_descriptor(op[1]))))
+            else:
+                ops.push(js.Array.of(2))
+        self._ops = ops
+
+    def encode(self, encoder) -> None:
+        import js
+
+        changed = False
+        for d, bound in enumerate(self._bounds):  # per-step kernels' grids may have changed
+            x, y, z = bound.grid
+            if self._grids[3 * d] != x or self._grids[3 * d + 1] != y or self._grids[3 * d + 2] != z:
+                self._grids[3 * d:3 * d + 3] = array("i", (x, y, z))
+                changed = True
+        if changed:
+            self._js_grids.assign(self._grids)
+        js.replayComputePasses(encoder, self._ops, self._js_grids)
+
+
 def _js(value):
     """Python dicts/lists -> plain JS objects/arrays (JS proxies pass through untouched)."""
     import js
     from pyodide.ffi import to_js
 
     return to_js(value, dict_converter=js.Object.fromEntries)
+
+
+def _pass_descriptor(timestamps) -> dict:
+    """A GPUComputePassDescriptor (JS spelling) writing (Timestamps, begin, end) indices."""
+    desc = {}
+    if timestamps is not None:
+        queries, begin, end = timestamps
+        desc["timestampWrites"] = {"querySet": queries.query_set}
+        if begin is not None:
+            desc["timestampWrites"]["beginningOfPassWriteIndex"] = begin
+        if end is not None:
+            desc["timestampWrites"]["endOfPassWriteIndex"] = end
+    return desc
 
 
 def in_browser() -> bool:

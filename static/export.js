@@ -1,7 +1,7 @@
 // The per-step timings of the conversation, downloaded as CSV or JSON for analysis elsewhere.
 
 export const STEP_COLUMNS = ["reply", "kind", "tokens", "context", "nest", "variant", "attention_ms", "step_ms",
-  "timing_note"];
+  "timing_note", "encode_ms", "gpu_ms", "dispatches"];
 
 function csvField(value) {
   const text = value === null || value === undefined ? "" : String(value);

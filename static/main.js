@@ -4,9 +4,11 @@
 import { loadPyodide } from "./pyodide/pyodide.mjs";
 import { COLORS, drawSteps } from "./charts.js";
 import { download, stepsCsv, stepsJson } from "./export.js";
+import { replayComputePasses } from "./replay.js";
 import { cacheAvailable, cachedModels, clearCachedModels, loadWeights } from "./weights_cache.js";
 
 const $ = (id) => document.getElementById(id);
+globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserDevice replays decode steps with
 const progress = $("progress");
 const params = new URLSearchParams(location.search);
 const MAX_CONTEXT = Number(params.get("context") || 4096);
@@ -103,8 +105,10 @@ function updateOverlay(stats) {
   const steps = window.demoState.steps;
   steps.push(stats);
   const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
+  const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
   $("overlay-last").textContent =
-    `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · step ${stats.step_ms.toFixed(1)} ms`;
+    `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · GPU ${gpu} · ` +
+    `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ${stats.dispatches} dispatches`;
   $("overlay-note").textContent = stats.timing_note || "";
   drawOverlayChart();
   $("overlay").hidden = false;

@@ -82,11 +82,7 @@ def server():
     httpd.server_close()
 
 
-CHROMIUM_FLAGS = [
-    "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--no-first-run", "--disable-quic", "--disable-default-apps", "--disable-extensions",
-]
+from app.bench.page import CHROMIUM_FLAGS  # noqa: E402 (Debian's chromium, headless, WebGPU on)
 
 
 @contextlib.contextmanager

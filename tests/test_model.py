@@ -53,11 +53,14 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("fold_norms", [True, False], ids=["norms-folded", "norms-apart"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_reference, dtype):
+def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_reference, dtype, fold_norms):
+    """Both forward layouts: RMSNorm folded into the next matmul (GPUs) and run apart (CPU rasterizers)."""
     if dtype == "float16" and not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     model = load(loop, gpu, library, tiny_dir, dtype)
+    model.fold_norms = fold_norms
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
     tiny_reference.reset()
@@ -192,6 +195,7 @@ def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, library,
     plan = model._decode_plans["tiled/argmax"]
     attention = model.attention["tiled"].name
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
+    assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):
@@ -211,3 +215,7 @@ def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, libr
         replan.start()
         replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": scale}, per_step=True)
     assert replan.entries[0].values["scale"] == 0.25
+    replan.start()  # per-step dispatches of one kernel share a uniform, so within a pass they must agree
+    replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": 0.5}, per_step=True)
+    with pytest.raises(StaleBindingError, match="must share values"):
+        replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": 0.125}, per_step=True)

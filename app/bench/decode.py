@@ -1,8 +1,9 @@
 """`python -m app bench decode`: prefill and decode throughput of the whole model: auto, auto with the
 sharded family held to the unsplit sharded nest, and tiled forced.
 
-For each context C: the model is reset, a C-token prompt is prefilled (tokens/s), then --steps
-greedy decode steps run (tokens/s, and attention's share of the step from GPU timestamps).
+For each context C: the model is reset and `generate` runs a C-token prompt: the prefill (tokens/s),
+then --steps pipelined greedy decode steps (tokens/s from their wall time; per step the host's
+encode time, the GPU time of the whole pass and of attention from GPU timestamps, dispatches).
 The prompt is random token ids: throughput does not depend on the text. `--synthetic` writes
 random weights of SmolLM2's shape (for machines without the converted model).
 """
@@ -12,10 +13,9 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
-from model_glue.model import GREEDY, MAX_PREFILL_CHUNK, LlamaModel, Sampling
+from model_glue.model import GREEDY, LlamaModel, Sampling, generate
 from model_glue.webgpu import WgpuDevice
 
 
@@ -29,14 +29,15 @@ async def run_decode_bench(args) -> dict:
         model_dir = tempfile.mkdtemp(prefix="smollm2-synthetic-")
         write_random_artifact("smollm2_135m", model_dir, seed=0)
     read_text, read_bytes = folder_readers(model_dir)
-    max_context = max(args.contexts) + args.steps + 1
+    warmup_prompt = 300  # tokens: the warm-up crosses the switch to the sharded family
+    max_context = max(*args.contexts, warmup_prompt) + args.steps + 4
     model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
                                   dtype=None if args.dtype == "auto" else args.dtype)
     weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"attention time: {'GPU timestamps' if device.has_timestamps else 'unavailable'}", flush=True)
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
-          f"{'attn ms':>8} {'attn share':>10} {'ran':>16}")
+          f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
     # auto; auto with the sharded family held to the unsplit sharded nest; tiled forced; with --sample
     # also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
@@ -46,40 +47,47 @@ async def run_decode_bench(args) -> dict:
     for attention, override in modes:
         model.reset()
         model.sharded_override = None if override == "sample" else override
-        sampling = sampled if override == "sample" else GREEDY
-        token = await model.forward([rng.randrange(3, model.config.vocab_size) for _ in range(300)], attention)
-        for _ in range(3):
-            token = await model.forward([token], attention, sampling, rng.random())
+        await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)], max_new_tokens=4,
+                       attention=attention, sampling=sampled if override == "sample" else GREEDY)
     rows = []
     for context in args.contexts:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
         for attention, override in modes:
             label = attention if override is None else f"{attention}:{override}"
             model.sharded_override = None if override == "sample" else override
-            sampling = sampled if override == "sample" else GREEDY
             model.reset()
-            started = time.perf_counter()
-            token = None
-            for i in range(0, context, MAX_PREFILL_CHUNK):
-                token = await model.forward(prompt[i:i + MAX_PREFILL_CHUNK], attention)
-            prefill_s = time.perf_counter() - started
-            steps = []
-            for _ in range(args.steps):
-                token = await model.forward([token], attention, sampling, rng.random())
-                steps.append(model.stats[-1])
-            step_ms = sum(s.step_ms for s in steps) / len(steps)
-            attn = [s.attention_ms for s in steps if s.attention_ms is not None]
-            attn_ms = sum(attn) / len(attn) if attn else None
-            row = {"context": context, "attention": label, "prefill_tok_s": round(context / prefill_s, 2),
+            # generate's own loop (prefill in chunks, then pipelined decode steps), no stop token
+            run = await generate(model, prompt, max_new_tokens=args.steps + 1, attention=attention,
+                                 sampling=sampled if override == "sample" else GREEDY)
+            steps = [s for s in run.stats if s.kind == "decode"]
+            step_ms = run.decode_ms / run.decode_steps
+
+            def mean(values):
+                values = [v for v in values if v is not None]
+                return sum(values) / len(values) if values else None
+
+            attn_ms, gpu_ms = mean(s.attention_ms for s in steps), mean(s.gpu_ms for s in steps)
+            encode_ms = mean(s.encode_ms for s in steps)
+            prefill = [s for s in run.stats if s.kind == "prefill"]
+            prefill_gpu = None if any(s.gpu_ms is None for s in prefill) else sum(s.gpu_ms for s in prefill)
+            prefill_attn = None if any(s.attention_ms is None for s in prefill) else sum(s.attention_ms for s in prefill)
+            row = {"context": context, "attention": label,
+                   "prefill_tok_s": round(context / (run.prefill_ms / 1e3), 2),
                    "decode_tok_s": round(1000 / step_ms, 2), "step_ms": round(step_ms, 3),
+                   "encode_ms": round(encode_ms, 3), "gpu_ms": None if gpu_ms is None else round(gpu_ms, 3),
                    "attention_ms": None if attn_ms is None else round(attn_ms, 4),
-                   "attention_share": None if attn_ms is None else round(attn_ms / step_ms, 4),
+                   "dispatches": sorted({s.dispatches for s in steps}),
+                   "prefill_gpu_ms": prefill_gpu, "prefill_attention_ms": prefill_attn,
                    "nests": sorted({s.variant for s in steps})}
             rows.append(row)
-            share = "-" if attn_ms is None else f"{100 * attn_ms / step_ms:.1f}%"
+
+            def ms(value, digits):
+                return "-" if value is None else f"{value:.{digits}f}"
+
             print(f"{context:>7} {label:>12} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.2f} "
-                  f"{step_ms:>8.2f} {('-' if attn_ms is None else f'{attn_ms:.3f}'):>8} {share:>10} "
-                  f"{','.join(row['nests']):>16}", flush=True)
+                  f"{step_ms:>8.2f} {encode_ms:>9.3f} {ms(gpu_ms, 3):>7} {ms(attn_ms, 3):>8} "
+                  f"{','.join(map(str, row['dispatches'])):>10} {','.join(row['nests']):>16} "
+                  f"{ms(prefill_gpu, 1):>9}/{ms(prefill_attn, 1):<9}", flush=True)
     model.sharded_override = None
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
     if args.json:

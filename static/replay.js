@@ -1,0 +1,24 @@
+// Replays a decode step's recorded compute passes (model_glue.webgpu.BrowserRecordedPasses) in one
+// call from Python. Encoding ~180 dispatches through Pyodide's proxies costs three FFI crossings
+// each; here the pipelines, bind groups and pass descriptors stay on the JS side.
+//
+// ops: [0, passDescriptor] begins a pass, [1, pipeline, bindGroup] dispatches (its grid is the
+// next three entries of `grids`, which Python rewrites when a per-step kernel's grid changes),
+// [2] ends the pass.
+export function replayComputePasses(encoder, ops, grids) {
+  let pass = null;
+  let g = 0;
+  for (const op of ops) {
+    if (op[0] === 1) {
+      pass.setPipeline(op[1]);
+      pass.setBindGroup(0, op[2]);
+      pass.dispatchWorkgroups(grids[g], grids[g + 1], grids[g + 2]);
+      g += 3;
+    } else if (op[0] === 0) {
+      pass = encoder.beginComputePass(op[1]);
+    } else {
+      pass.end();
+      pass = null;
+    }
+  }
+}

@@ -1,0 +1,96 @@
+"""The pipelined decode loop (natively, wgpu/lavapipe): step t+1 is submitted before step t's id
+is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loop's, and a stop
+(stop token, user stop) must leave no trace of the step that was already submitted."""
+
+import pytest
+
+from convert.weights import write_random_artifact
+from model_glue.artifact import folder_readers
+from model_glue.contract import MODEL_CONFIGS
+from model_glue.model import STOPPED_BY_USER, LlamaModel, ModelError, generate
+
+TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
+PROMPT = [(37 * i + 11) % (TINY_VOCAB - 3) + 3 for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tiny(loop, gpu, library, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama_pipeline")
+    write_random_artifact("tiny_llama", folder, seed=11)
+    read_text, read_bytes = folder_readers(folder)
+    return loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
+
+
+def one_step_at_a_time(loop, model, prompt, steps):
+    """The unpipelined loop: each step fed the id the host read back from the one before."""
+    model.reset()
+    ids = [loop.run_until_complete(model.forward(prompt))]
+    for _ in range(steps):
+        ids.append(loop.run_until_complete(model.forward([ids[-1]])))
+    return ids
+
+
+def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny):
+    want = one_step_at_a_time(loop, tiny, PROMPT, 20)
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=21))
+    assert got.token_ids == want
+    assert tiny.kv.length == len(PROMPT) + 20  # the last id is never fed back
+    assert tiny.cached_ids == PROMPT + want[:-1]
+    decode = [s for s in got.stats if s.kind == "decode"]
+    assert len(decode) == 20
+    layers = tiny.config.n_layers
+    # embed; per layer (rms_norm,) qkv, rope+append, attention, o+residual, (rms_norm,) gate/up
+    # (, swiglu), down+residual; (rms_norm,) lm_head and argmax. GPUs fold norms and SwiGLU: 6 per layer.
+    per_layer, head = (6, 2) if tiny.fold_norms else (9, 3)
+    assert {s.dispatches for s in decode} == {1 + per_layer * layers + head}
+    assert all(s.encode_ms > 0 for s in decode)
+    if tiny.device.has_timestamps:
+        assert all(s.gpu_ms is not None and s.gpu_ms >= s.attention_ms for s in decode)
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 7])
+def test_a_stop_token_leaves_no_trace_of_the_step_run_ahead(loop, tiny, stop_after):
+    want = one_step_at_a_time(loop, tiny, PROMPT, 12)
+    stop = want[stop_after - 1]
+    first = want.index(stop) + 1  # the stop token may also occur earlier
+    tiny.reset()
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12, stop_ids={stop}))
+    assert got.stop_reason == "stop token"
+    assert got.token_ids == want[:first]
+    assert tiny.kv.length == len(PROMPT) + first - 1
+    assert tiny.cached_ids == PROMPT + want[:first - 1]
+    assert [s.kind for s in got.stats] == ["prefill"] + ["decode"] * (first - 1)
+    # the next turn continues from exactly this cache
+    again = loop.run_until_complete(generate(tiny, PROMPT + want[:first], max_new_tokens=3, reuse_cache=True))
+    assert again.reused_tokens == len(PROMPT) + first - 1
+
+
+def test_a_user_stop_leaves_no_trace_of_the_step_run_ahead(loop, tiny):
+    want = one_step_at_a_time(loop, tiny, PROMPT, 12)
+    tiny.reset()
+    seen = []
+
+    async def on_token(token_id):
+        seen.append(token_id)
+
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12, on_token=on_token,
+                                           should_stop=lambda: len(seen) >= 5))
+    assert got.stop_reason == STOPPED_BY_USER
+    assert got.token_ids == want[:5] == seen
+    assert tiny.kv.length == len(PROMPT) + 4
+    assert len([s for s in got.stats if s.kind == "decode"]) == 4
+
+
+def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, library, tmp_path):
+    write_random_artifact("tiny_llama", tmp_path, seed=11)
+    read_text, read_bytes = folder_readers(tmp_path)
+    model = loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
+    model.fold_norms = True  # what a GPU runs (the logits are checked in test_model)
+    run = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=4))
+    assert {s.dispatches for s in run.stats if s.kind == "decode"} == {1 + 6 * model.config.n_layers + 2}
+
+
+def test_continuing_from_the_gpu_needs_a_token_there(loop, tiny):
+    tiny.reset()
+    with pytest.raises(ModelError, match="no token on the GPU"):
+        tiny.submit(None)
