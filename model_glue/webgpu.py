@@ -355,6 +355,9 @@ class WgpuDevice(Device):
         )
         return cls(adapter, device, features, limits)
 
+    def record(self, tape: list) -> RecordedPasses:
+        return WgpuRecordedPasses(self, tape)
+
     def _create_buffer(self, size, usage):
         return self._device.create_buffer(size=size, usage=usage)
 
@@ -413,6 +416,33 @@ class WgpuDevice(Device):
 
     def _submit(self, encoder):
         self._device.queue.submit([encoder.finish()])
+
+
+class WgpuRecordedPasses(RecordedPasses):
+    """wgpu-py wraps every native call in error capturing, ~5 us each: three per dispatch make most
+    of a decode step's host time. A replay issues the same calls that already succeeded when the
+    passes were recorded, so it calls wgpu-native directly for the dispatches (passes still begin
+    and end through wgpu-py, which owns them). A replayed dispatch's validation error still reaches
+    the device's uncaptured-error log, not an exception at the call."""
+
+    def encode(self, encoder) -> None:
+        from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+        set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+        set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+        dispatch = lib.wgpuComputePassEncoderDispatchWorkgroups
+        device, compute, handle = self.device, None, None
+        for op in self.tape:
+            if op[0] == "dispatch":
+                bound = op[1]
+                set_pipeline(handle, bound.kernel.pipeline._internal)
+                set_bind_group(handle, 0, bound.bind_group._internal, 0, ffi.NULL)
+                dispatch(handle, *bound.grid)
+            elif op[0] == "begin":
+                compute = device._begin_pass(encoder, op[1])
+                handle = compute._internal
+            else:
+                compute.end()
 
 
 # ---------------------------------------------------------------------------------------------
