@@ -81,8 +81,6 @@ def main(argv=None) -> int:
     dec.add_argument("--synthetic", action="store_true", help="random weights of SmolLM2's shape")
     dec.add_argument("--sample", action="store_true",
                      help="also time auto with GPU sampling (top-k 40, top-p 0.95) instead of the argmax")
-    dec.add_argument("--no-attention-timing", dest="attention_timing", action="store_false",
-                     help="no per-layer attention timestamps (two compute passes less per layer)")
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)

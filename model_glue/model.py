@@ -100,7 +100,6 @@ class InFlightPass:
     started: float  # perf_counter() when its encoding began
     encode_ms: float
     dispatches: int
-    attention_timed: bool
 
 
 class PagedKVCache:
@@ -183,9 +182,6 @@ class LlamaModel:
         # (in the page, with one call into JS): see `submit`.
         self._recorded: dict[str, object] = {}
         self.replay_recorded = True  # False: encode every pass in Python (the page benchmark's baseline)
-        # Each layer's attention in a compute pass of its own, bracketed by timestamps: what the
-        # overlay shows. Costs host time (two passes more per layer); benchmarks can turn it off.
-        self.time_attention = True
         # GPUs fold each RMSNorm into the matmul after it and SwiGLU into the gate/up matmul (6
         # dispatches per layer instead of 9). On a CPU rasterizer the folds cost more than the
         # dispatches they save (kernels.llama.quantized_matmul), so it runs them apart.
@@ -355,8 +351,7 @@ class LlamaModel:
         staging = self._staging[self._passes_submitted % PIPELINE_DEPTH]
         self._passes_submitted += 1
         batch = dev.batch()
-        plan_key = (f"{choice.variant}/{'argmax' if sampling.greedy else 'sample'}"
-                    f"{'' if self.time_attention else '/untimed'}")
+        plan_key = f"{choice.variant}/{'argmax' if sampling.greedy else 'sample'}"
         replay = n == 1 and self.replay_recorded
         recorded = self._recorded.get(plan_key) if replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
@@ -376,7 +371,7 @@ class LlamaModel:
         encode_ms = (time.perf_counter() - started) * 1e3
         self._in_flight.append(staging)
         return InFlightPass(staging, kind or ("prefill" if n > 1 else "decode"), n, start, contexts[-1], nest,
-                            str(choice), started, encode_ms, batch.dispatches, self.time_attention)
+                            str(choice), started, encode_ms, batch.dispatches)
 
     async def finish(self, step: InFlightPass) -> int:
         """Wait for a submitted pass, record its stats and return the token id it chose."""
@@ -389,11 +384,9 @@ class LlamaModel:
         if ticks is not None:
             layers = self.config.n_layers
             gpu_ms = (ticks[2 * layers + 1] - ticks[2 * layers]) / 1e6
-            note = "attention not timed" if not step.attention_timed else ""
-            if step.attention_timed:
-                spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(layers)]
-                attention_ms = sum(spans) / 1e6
-                note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
+            spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(layers)]
+            attention_ms = sum(spans) / 1e6
+            note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
         now = time.perf_counter()
         # Pipelined steps overlap: a step's time runs from when the previous id arrived (or from its
         # own start, if that is later) to when its own id arrives.
@@ -516,8 +509,7 @@ class LlamaModel:
             run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
                                    "pages": pages, "q": buf["q"]}, {"n": n, "num_pages": self.kv.num_pages})
             attn_buffers, attn_values = self._attention_call(layer, n, nnz_pages, choice)
-            timed = stamps is not None and self.time_attention
-            with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if timed else nullcontext():
+            with batch.timed((stamps, 2 * layer, 2 * layer + 1)) if stamps is not None else nullcontext():
                 for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                     run(kernel, kernel_buffers, values, per_step=True)
             matmul("o_residual", f"{p}.o", buf["attn"], x_mid, resid=x)

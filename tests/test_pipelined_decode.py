@@ -96,18 +96,8 @@ def test_continuing_from_the_gpu_needs_a_token_there(loop, tiny):
         tiny.submit(None)
 
 
-def test_untimed_attention_gives_the_same_ids_and_says_so(loop, gpu, library, tmp_path):
-    """Benchmarks may drop the per-layer attention timestamps (two compute passes less per layer)."""
-    write_random_artifact("tiny_llama", tmp_path, seed=11)
-    read_text, read_bytes = folder_readers(tmp_path)
-    model = loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
-    timed = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=6))
-    model.reset()
-    model.time_attention = False
-    untimed = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=6))
-    assert untimed.token_ids == timed.token_ids
-    assert model.replayed_by == ["WgpuRecordedPasses"]  # later decode steps replay their recorded passes
-    decode = [s for s in untimed.stats if s.kind == "decode"]
-    assert all(s.attention_ms is None for s in decode)
-    if gpu.has_timestamps:
-        assert all(s.gpu_ms is not None and s.timing_note == "attention not timed" for s in decode)
+
+def test_later_decode_steps_replay_their_recorded_passes(loop, tiny):
+    tiny.reset()
+    loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=4))
+    assert tiny.replayed_by == ["WgpuRecordedPasses"]  # wgpu-native called directly for the dispatches

@@ -33,12 +33,10 @@ async def run_decode_bench(args) -> dict:
     max_context = max(*args.contexts, warmup_prompt) + args.steps + 4
     model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
                                   dtype=None if args.dtype == "auto" else args.dtype)
-    model.time_attention = args.attention_timing
     weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
-          f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'} (per-layer attention "
-          f"{'timed' if args.attention_timing else 'not timed'}); {model.config.n_layers} layers, norms and "
-          f"SwiGLU {'folded' if model.fold_norms else 'apart'}", flush=True)
+          f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
+          f"norms and SwiGLU {'folded' if model.fold_norms else 'apart'}", flush=True)
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
