@@ -13,19 +13,16 @@ from dataclasses import dataclass, field
 from kernels import llama
 from kernels.decode_attention import decode_attention_sharded, decode_attention_tiled
 from kernels.decode_attention_split import decode_attention_split_merge, decode_attention_split_partial
-from kernels.prefill_attention import prefill_attention_causal
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS,
-                                 MODEL_SHAPES, PAGE_SIZE, PREFILL_ATTENTION_BUFFERS, PREFILL_TOKENS_PER_GROUP,
-                                 SPLIT_VARIANTS, TEST_SHAPES, TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES,
-                                 WORKGROUP_STORAGE_BYTES, LlamaConfig, attention_kernel_name, model_kernel_name,
-                                 prefill_attention_kernel_name, split_merge_kernel_name)
+from model_glue.contract import (BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
+                                 PREFILL_TOKENS_PER_GROUP, SPLIT_VARIANTS, TEST_SHAPES,
+                                 TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig,
+                                 attention_kernel_name, model_kernel_name, split_merge_kernel_name)
 
 NEST_BUILDERS = {"tiled": decode_attention_tiled, "sharded": decode_attention_sharded}
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe, **NEST_BUILDERS,
     "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
-    "prefill_causal": prefill_attention_causal,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
@@ -88,16 +85,6 @@ def _split_recipes(shapes, dtypes) -> list[KernelRecipe]:
     return recipes
 
 
-def _prefill_recipes(shapes, dtypes) -> list[KernelRecipe]:
-    """TVM's causal prefill kernel for the models' shapes (its f16 tiles need a little over 16 KiB)."""
-    return [KernelRecipe(prefill_attention_kernel_name(shape, dtype), "prefill_causal",
-                         (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype),
-                         {"kind": "prefill_attention", "num_kv_heads": shape.num_kv_heads,
-                          "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim, "dtype": dtype},
-                         TILED_WORKGROUP_STORAGE_BYTES, PREFILL_ATTENTION_BUFFERS)
-            for shape in shapes for dtype in dtypes]
-
-
 def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     """The builder arguments of one role (its builder is LLAMA_ROLES[role].builder)."""
     if role == "embed":
@@ -137,7 +124,6 @@ def all_recipes() -> list[KernelRecipe]:
     recipes += _attention_recipes(TEST_SHAPES + BENCH_SHAPES + MODEL_SHAPES, DTYPES, (False,))
     recipes += _attention_recipes(WINDOW_SHAPES, DTYPES, (True,))
     recipes += _split_recipes(BENCH_SHAPES + MODEL_SHAPES, DTYPES)
-    recipes += _prefill_recipes(MODEL_SHAPES, DTYPES)
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)

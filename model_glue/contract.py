@@ -137,17 +137,6 @@ def split_merge_kernel_name(shape: AttentionShape, dtype: str) -> str:
     return f"decode_split_merge_d{shape.head_dim}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
 
 
-def prefill_attention_kernel_name(shape: AttentionShape, dtype: str) -> str:
-    """TVM's causal paged prefill kernel for one shape (kernels/prefill_attention.py)."""
-    return f"prefill_causal_d{shape.head_dim}_kv{shape.num_kv_heads}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
-
-
-# The prefill kernel's buffers (TVM's batch_prefill_paged_kv): one page table per sequence and
-# q_indptr, where decode attention has one page table per query.
-PREFILL_ATTENTION_BUFFERS = ("q", "q_indptr", "pages", "page_indptr", "page_values", "length_info",
-                             "k_rope_pos_offset", "q_rope_position", "output", "lse")
-
-
 def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
     return f"{config_name}_{role}_{DTYPE_TAGS[dtype]}"
 

@@ -20,18 +20,14 @@ from dataclasses import dataclass, field
 
 from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
                                   pick_sharded_variant, split_workspace_bytes, tiled_defect)
-from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, PREFILL_ATTENTION_BUFFERS, MANIFEST, MAX_SPLITS, MAX_TOP_K, MODEL_ARTIFACT_FORMAT,
+from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MAX_TOP_K, MODEL_ARTIFACT_FORMAT,
                                  MODEL_ARTIFACT_KIND, MODEL_CONFIGS, NESTS, PAGE_SIZE, SHARDED_VARIANTS,
                                  SPLIT_VARIANTS, SPLIT_WORKSPACE, LlamaConfig, attention_kernel_name, model_kernel_name,
-                                 prefill_attention_kernel_name, split_merge_kernel_name)
+                                 split_merge_kernel_name)
 from model_glue.kernel import DispatchPlan, unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
-# A prompt chunk's attention under `auto`: TVM's causal prefill kernel over the sequence's one page
-# table. Forcing a nest (the comparison mode) runs that nest's decode kernel over one
-# pseudo-sequence per prompt token instead, as does an adapter below the prefill kernel's limits.
-CAUSAL_PREFILL = "causal_prefill"
 # The split workspace serves batch * num_splits rows: a prefill chunk's pseudo-sequences at S = 1,
 # or one decode sequence at up to MAX_SPLITS splits.
 SPLIT_WORKSPACE_ROWS = max(MAX_PREFILL_CHUNK, MAX_SPLITS)
@@ -225,10 +221,6 @@ class LlamaModel:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         names = _kernel_names(library, config_name, config, dtype)
         esize = DTYPE_BYTES[dtype]
-        # The causal prefill kernel is optional: below its limits, prompts take the decode kernels.
-        causal_prefill = not unmet_limits(library.specs[names[CAUSAL_PREFILL]], device.limits)
-        if not causal_prefill:
-            del names[CAUSAL_PREFILL]
         _check_limits(device, library, names.values(), {
             "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
@@ -256,7 +248,7 @@ class LlamaModel:
         model.tiled_defect = tiled_defect(library.specs[names["tiled"]])
         progress("compiling kernels")
         for role, name in names.items():
-            if role in SHARDED_VARIANTS + NESTS + ("split_merge", CAUSAL_PREFILL):
+            if role in SHARDED_VARIANTS + NESTS + ("split_merge",):
                 model.attention[role] = await library.kernel(name)
             else:
                 model.kernels[role] = await library.kernel(name)
@@ -273,7 +265,7 @@ class LlamaModel:
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
             "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
             "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
-            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n, "q_indptr": 8,
+            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
             "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
             **split_workspace_bytes(SPLIT_WORKSPACE_ROWS, c.attention_shape),
         }
@@ -337,19 +329,14 @@ class LlamaModel:
         except ValueError as err:
             raise ModelError(str(err)) from err
         choice = AttentionChoice("tiled")
-        if n > 1 and attention == "auto" and CAUSAL_PREFILL in self.attention:
-            nest, choice = "prefill", AttentionChoice(CAUSAL_PREFILL)
-        elif nest == "sharded":
+        if nest == "sharded":
             choice = pick_sharded_variant(contexts, c.attention_shape, is_cpu=self.device.is_cpu,
                                           max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
         slots = self.kv.reserve(n)
         # None marks an id that is still on the GPU; `finish` of the pass that chooses it fills it in.
         self.cached_ids.extend([None] if token_ids is None else token_ids)
-        causal = choice.variant == CAUSAL_PREFILL  # one page table; else one per query (pseudo-sequences)
-        indptr, page_ids, last_len = self.kv.page_table(contexts[-1:] if causal else contexts)
+        indptr, page_ids, last_len = self.kv.page_table(contexts)
         dev, buf = self.device, self.buffers
-        if causal:
-            dev.write(buf["q_indptr"], array("i", [0, n]).tobytes())
         if token_ids is not None:  # a one-token pass reads its id where the last pass's argmax wrote
             dev.write(buf["ids"] if n > 1 else buf["next_id"], array("i", token_ids).tobytes())
         dev.write(buf["positions"], array("i", range(start, start + n)).tobytes())
@@ -434,8 +421,6 @@ class LlamaModel:
         return sorted({type(recorded).__name__ for recorded in self._recorded.values()})
 
     def _attention_kernels(self, choice: AttentionChoice) -> list:
-        if choice.variant == CAUSAL_PREFILL:
-            return [self.attention[CAUSAL_PREFILL]]
         attention = [self.attention[choice.variant]]
         if choice.variant in SPLIT_VARIANTS:
             attention.append(self.attention["split_merge"])  # combines the S partial results
@@ -444,13 +429,6 @@ class LlamaModel:
     def _attention_call(self, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
         """Buffers and values of one layer's attention (the values are the same in every layer)."""
         c, buf = self.config, self.buffers
-        if choice.variant == CAUSAL_PREFILL:
-            buffers = dict(zip(PREFILL_ATTENTION_BUFFERS, (
-                buf["q"], buf["q_indptr"], self.kv.layers[layer], buf["indptr"], buf["page_ids"], buf["last_len"],
-                buf["zeros"], buf["zeros"], buf["attn"], buf["lse"])))
-            return buffers, {"batch_size": 1, "causal": 1, "rotary_mode": 0, "rope_scale": 1.0,
-                             "rope_theta": c.rope_theta, "sm_scale": c.head_dim ** -0.5, "total_len": n,
-                             "nnz_pages": nnz_pages, "max_num_pages": self.kv.num_pages}
         # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
         # The page table grows with the context: attention's values change every step.
         return attention_call(
@@ -592,7 +570,6 @@ def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) ->
     names.update({nest: attention_kernel_name(nest, config.attention_shape, dtype, False)
                   for nest in NESTS + SPLIT_VARIANTS})
     names["split_merge"] = split_merge_kernel_name(config.attention_shape, dtype)
-    names[CAUSAL_PREFILL] = prefill_attention_kernel_name(config.attention_shape, dtype)
     missing = sorted(name for name in names.values() if name not in library.specs)
     if missing:
         raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "
