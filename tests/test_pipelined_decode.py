@@ -5,20 +5,24 @@ is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loo
 import pytest
 
 from convert.weights import write_random_artifact
-from model_glue.artifact import folder_readers
 from model_glue.contract import MODEL_CONFIGS
-from model_glue.model import STOPPED_BY_USER, LlamaModel, ModelError, generate
+from model_glue.model import STOPPED_BY_USER, ModelError, generate
+from test_model import load
 
 TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
 PROMPT = [(37 * i + 11) % (TINY_VOCAB - 3) + 3 for i in range(30)]
 
 
 @pytest.fixture(scope="module")
-def tiny(loop, gpu, library, tmp_path_factory):
+def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama_pipeline")
     write_random_artifact("tiny_llama", folder, seed=11)
-    read_text, read_bytes = folder_readers(folder)
-    return loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(loop, gpu, library, tiny_folder):
+    return load(loop, gpu, library, tiny_folder, "float32")
 
 
 def one_step_at_a_time(loop, model, prompt, steps):
@@ -81,10 +85,8 @@ def test_a_user_stop_leaves_no_trace_of_the_step_run_ahead(loop, tiny):
     assert len([s for s in got.stats if s.kind == "decode"]) == 4
 
 
-def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, library, tmp_path):
-    write_random_artifact("tiny_llama", tmp_path, seed=11)
-    read_text, read_bytes = folder_readers(tmp_path)
-    model = loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
+def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, library, tiny_folder):
+    model = load(loop, gpu, library, tiny_folder, "float32")
     model.fold_norms = True  # what a GPU runs (the logits are checked in test_model)
     run = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=4))
     assert {s.dispatches for s in run.stats if s.kind == "decode"} == {1 + 6 * model.config.n_layers + 2}
