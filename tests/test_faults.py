@@ -126,7 +126,10 @@ def test_stop_during_prefill_ends_with_no_tokens_and_no_turn(loop, gpu, library)
     result = loop.run_until_complete(chat.reply(
         long_message, max_new_tokens=8, on_prefill=lambda done, total: (prefilled.append(done), chat.request_stop())))
     assert result["stop_reason"] == STOPPED_IN_PREFILL and result["token_ids"] == [] and result["text"] == ""
-    assert len(prefilled) == 1 and prefilled[0] < result["prompt_tokens"]
+    # Prefill chunks are pipelined: when the first chunk reports, the second is already submitted, so it
+    # finishes (its K/V stay in the cache for the next turn) and no further chunk starts.
+    assert prefilled == [256, 512] and prefilled[-1] < result["prompt_tokens"]
+    assert chat.model.kv.length == 512
     assert chat.messages == []  # the turn is not part of the conversation
 
 
