@@ -116,7 +116,7 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
     the same four outputs, so the epilogue finds both totals in workgroup memory.
 
     Both folds are for GPUs, where a dispatch costs more than the work folded in. On lavapipe
-    they cost more than the dispatches they save (SmolLM2 decode: the folded qkv 1.9 ms against
+    they cost more than the dispatches they save (SmolLM2 decode: the folded qkv 2.0 ms against
     1.1 + 0.1 ms apart; gate/up with SwiGLU 4.3 ms against 3.4 + 0.06 ms: two row streams per
     workgroup instead of one), so CPU rasterizers run rms_norm, the plain matmul and swiglu.
     """

@@ -182,6 +182,7 @@ class DispatchPlan:
         self._cursor = 0
         self._passes = 0
         self._shared: dict[str, _SharedUniform] = {}  # kernel name -> its per-step entries' uniform
+        self._per_step_entries: list[_PlanEntry] = []
 
     def start(self) -> None:
         """A new pass: replay from the first entry."""
@@ -200,6 +201,8 @@ class DispatchPlan:
         if index == len(self.entries):
             bound = kernel.bind(buffers, values, shared.buffer if shared else None)
             self.entries.append(_PlanEntry(bound, values, per_step))
+            if per_step:
+                self._per_step_entries.append(self.entries[-1])
         entry = self.entries[index]
         if entry.bound.kernel is not kernel or entry.per_step != per_step:
             raise StaleBindingError(f"dispatch {index} of the plan was {entry.bound.kernel.name}, now {kernel.name}: "
@@ -219,15 +222,19 @@ class DispatchPlan:
         self.start()
         for kernel, values in per_step:
             self._shared[kernel.name].set(values, self._passes)
-        for entry in self.entries:
-            if entry.per_step:
-                shared = self._shared[entry.bound.kernel.name]
-                entry.bound.grid = shared.grid
-                entry.values = shared.values
+        for entry in self._per_step_entries:
+            shared = self._shared[entry.bound.kernel.name]
+            entry.bound.grid = shared.grid
+            entry.values = shared.values
 
     @property
     def per_step_kernels(self) -> list[str]:
-        return [e.bound.kernel.name for e in self.entries if e.per_step]
+        return [e.bound.kernel.name for e in self._per_step_entries]
+
+    @property
+    def per_step_bounds(self) -> list[BoundKernel]:
+        """The bindings whose grid may change between passes (a replay re-reads only theirs)."""
+        return [e.bound for e in self._per_step_entries]
 
     @property
     def uniform_writes_per_step(self) -> int:
@@ -240,4 +247,5 @@ class DispatchPlan:
         for shared in self._shared.values():
             shared.kernel.device.destroy(shared.buffer)
         self.entries.clear()
+        self._per_step_entries.clear()
         self._shared.clear()

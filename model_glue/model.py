@@ -361,7 +361,8 @@ class LlamaModel:
             batch.tape = [] if replay else None
             self._encode_forward(batch, n, choice, len(page_ids), stamps, sampling, draw, plan_key)
             if replay:
-                self._recorded[plan_key] = dev.record(batch.stop_recording())
+                self._recorded[plan_key] = dev.record(batch.stop_recording(),
+                                                      self._decode_plans[plan_key].per_step_bounds)
         # One readback per pass: the chosen id, then the raw timestamps, copied side by side.
         batch.copy(buf["next_id"], 0, staging, 0, 4)
         if stamps is not None:

@@ -162,8 +162,9 @@ class Device:
     def batch(self) -> "Batch":
         return Batch(self)
 
-    def record(self, tape: list) -> RecordedPasses:
-        """The passes of a Batch's tape, ready to replay (`Batch.replay`)."""
+    def record(self, tape: list, varying=()) -> RecordedPasses:
+        """The passes of a Batch's tape, ready to replay (`Batch.replay`); `varying` are the
+        BoundKernels whose grid may change between replays."""
         return RecordedPasses(self, tape)
 
     def timestamps(self, count: int) -> "Timestamps":
@@ -281,7 +282,7 @@ class RecordedPasses:
     same pipelines, bind groups and timestamp writes; each grid read from its BoundKernel, since
     a per-step kernel's grid may change). This backend's version walks the tape in Python."""
 
-    def __init__(self, device: "Device", tape: list):
+    def __init__(self, device: "Device", tape: list, varying=()):
         if any(op[0] not in ("begin", "dispatch", "end") for op in tape):
             raise ValueError("only compute passes can be recorded")
         self.device = device
@@ -355,8 +356,8 @@ class WgpuDevice(Device):
         )
         return cls(adapter, device, features, limits)
 
-    def record(self, tape: list) -> RecordedPasses:
-        return WgpuRecordedPasses(self, tape)
+    def record(self, tape: list, varying=()) -> RecordedPasses:
+        return WgpuRecordedPasses(self, tape)  # reads every grid as it replays
 
     def _create_buffer(self, size, usage):
         return self._device.create_buffer(size=size, usage=usage)
@@ -419,8 +420,8 @@ class WgpuDevice(Device):
 
 
 class WgpuRecordedPasses(RecordedPasses):
-    """wgpu-py wraps every native call in error capturing, ~5 us each: three per dispatch make most
-    of a decode step's host time. A replay issues the same calls that already succeeded when the
+    """wgpu-py wraps every native call in error capturing (profiled here: 12.6 us per dispatch of three
+    calls), which made most of a decode step's host time. A replay issues the same calls that already succeeded when the
     passes were recorded, so it calls wgpu-native directly for the dispatches (passes still begin
     and end through wgpu-py, which owns them). A replayed dispatch's validation error still reaches
     the device's uncaptured-error log, not an exception at the call."""
@@ -498,12 +499,12 @@ class BrowserDevice(Device):
         if info is not None and self.lost_reason is None:
             self._on_lost(info)
 
-    def record(self, tape: list) -> RecordedPasses:
+    def record(self, tape: list, varying=()) -> RecordedPasses:
         import js
 
         if getattr(js, "replayComputePasses", None) is None:  # static/replay.js, installed by the page
             return RecordedPasses(self, tape)
-        return BrowserRecordedPasses(self, tape)
+        return BrowserRecordedPasses(self, tape, varying)
 
     def _create_buffer(self, size, usage):
         return self._device.createBuffer(_js({"size": size, "usage": usage}))
@@ -574,12 +575,14 @@ class BrowserRecordedPasses(RecordedPasses):
     static/replay.js in one Python->JS call: encoding ~180 dispatches through Pyodide's proxies,
     three calls each, costs milliseconds; one call and a grid array cost far less."""
 
-    def __init__(self, device: "BrowserDevice", tape: list):
+    def __init__(self, device: "BrowserDevice", tape: list, varying=()):
         import js
 
         super().__init__(device, tape)
-        self._bounds = [op[1] for op in tape if op[0] == "dispatch"]
-        self._grids = array("i", [v for bound in self._bounds for v in bound.grid])
+        bounds = [op[1] for op in tape if op[0] == "dispatch"]
+        self._grids = array("i", [v for bound in bounds for v in bound.grid])
+        varying_ids = {id(bound) for bound in varying}
+        self._varying = [(d, bound) for d, bound in enumerate(bounds) if id(bound) in varying_ids]
         self._js_grids = js.Int32Array.new(len(self._grids))
         self._js_grids.assign(self._grids)
         ops = js.Array.new()
@@ -596,7 +599,7 @@ class BrowserRecordedPasses(RecordedPasses):
         import js
 
         changed = False
-        for d, bound in enumerate(self._bounds):  # per-step kernels' grids may have changed
+        for d, bound in self._varying:  # per-step kernels' grids may have changed (a split's S)
             x, y, z = bound.grid
             if self._grids[3 * d] != x or self._grids[3 * d + 1] != y or self._grids[3 * d + 2] != z:
                 self._grids[3 * d:3 * d + 3] = array("i", (x, y, z))
