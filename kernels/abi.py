@@ -115,6 +115,13 @@ _WGSL_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
 _BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
 _WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|(\w+)), (\d+)>")
 _POD_STRUCT_RE = re.compile(r"struct PODArgs \{(.*?)\}", re.S)
+_ENABLE_RE = re.compile(r"^enable (\w+);", re.M)
+WGSL_EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups"}  # WGSL `enable` -> device feature
+
+
+def wgsl_features(wgsl: str) -> list[str]:
+    """The WebGPU device features a WGSL module's `enable` directives need."""
+    return sorted(WGSL_EXTENSION_FEATURES[ext] for ext in _ENABLE_RE.findall(wgsl))
 
 
 def workgroup_storage_bytes(wgsl: str) -> int:
@@ -156,4 +163,4 @@ def kernel_spec(name: str, func: tirx.PrimFunc, entry: str, kernel: tirx.PrimFun
         pod=[{"name": field, "type": wgsl_type} for field, wgsl_type in struct[:-1]],
         workgroup_size=abi["workgroup_size"], grid=abi["grid"],
         workgroup_storage_bytes=workgroup_storage_bytes(wgsl), barriers=wgsl.count("workgroupBarrier()"),
-        meta=dict(meta))
+        meta=dict(meta), features=wgsl_features(wgsl))

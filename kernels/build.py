@@ -22,6 +22,9 @@ from model_glue.contract import (KERNEL_ARTIFACT_FORMAT, MANIFEST, MAX_INVOCATIO
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
 
 WEBGPU_TARGET = tvm.target.Target("webgpu", host="llvm")
+# The same with WebGPU's subgroup operations (T.webgpu.subgroup_shuffle*): the WGSL then starts with
+# `enable subgroups;` and needs a device with the `subgroups` feature.
+WEBGPU_SUBGROUPS_TARGET = tvm.target.Target({"kind": "webgpu", "supports_subgroups": True, "host": "llvm"})
 
 
 @dataclass
@@ -32,13 +35,15 @@ class BuiltKernel:
 
 def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
                  max_workgroup_storage: int = WORKGROUP_STORAGE_BYTES,
-                 buffers: tuple[str, ...] | None = None) -> BuiltKernel:
-    """Lower `func` for WebGPU and return its WGSL and manifest entry.
+                 buffers: tuple[str, ...] | None = None, subgroups: bool = False) -> BuiltKernel:
+    """Lower `func` for WebGPU (with subgroup operations if `subgroups`) and return its WGSL and
+    manifest entry.
 
     Fails when the kernel needs more than WebGPU's default invocations or `max_workgroup_storage`,
     so a kernel that would only run on generous adapters never reaches the artifact, and, when
     `buffers` is given, unless the kernel binds exactly those names (the runtime binds by them).
     """
+    target = WEBGPU_SUBGROUPS_TARGET if subgroups else WEBGPU_TARGET
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"kernel name {name!r} must be an identifier (it becomes the WGSL entry point)")
     started = time.perf_counter()
@@ -46,20 +51,20 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
     mod = tvm.IRModule({name: func})
     # Without this, TVM hoists common subexpressions of the host side into extra PODArgs.
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        mod = tirx.transform.BindTarget(WEBGPU_TARGET)(mod)
-        pipeline, _finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(WEBGPU_TARGET)
+        mod = tirx.transform.BindTarget(target)(mod)
+        pipeline, _finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
         mod = pipeline(mod)
         _host_mod, device_mods = _tir_build.split_host_device_mods(mod)
         if len(device_mods) != 1:
             raise ValueError(f"{name}: expected one device module, got {len(device_mods)}")
-        (target, device_mod), = device_mods.items()
+        (device_target, device_mod), = device_mods.items()
         device_mod = finalize_device()(device_mod)
         kernels = list(device_mod.functions.items())
         if len(kernels) != 1:
             # e.g. a T.tvm_thread_invariant branch: two entry points and a host-side choice.
             raise ValueError(f"{name}: expected one device kernel, got {[gv.name_hint for gv, _ in kernels]}")
         (gvar, kernel), = kernels
-        wgsl = _tir_build.codegen_build(device_mod, target).inspect_source()
+        wgsl = _tir_build.codegen_build(device_mod, device_target).inspect_source()
 
     spec = kernel_spec(name, func, gvar.name_hint, kernel, wgsl, meta or {})
     if spec.invocations > MAX_INVOCATIONS:
@@ -74,10 +79,11 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
 
 
 def _build_recipe(recipe):
-    built = build_kernel(recipe.name, recipe.make(), recipe.meta, recipe.max_workgroup_storage, recipe.buffers)
+    built = build_kernel(recipe.name, recipe.make(), recipe.meta, recipe.max_workgroup_storage, recipe.buffers,
+                         recipe.subgroups)
     meta = built.spec.meta
     if meta.get("kind") == "decode_attention" and meta["nest"] == "tiled":
-        from kernels.decode_attention import tiled_query_heads_computed
+        from kernels.decode_attention_tiled import tiled_query_heads_computed
 
         group = meta["num_qo_heads"] // meta["num_kv_heads"]
         computed = tiled_query_heads_computed(built.spec, meta["num_kv_heads"])
@@ -87,8 +93,9 @@ def _build_recipe(recipe):
     return built
 
 
-def build_artifact(out_dir, *, jobs: int = 2, log=print) -> dict:
-    """Build every kernel of the catalog into `out_dir` (WGSL files + manifest.json)."""
+def build_artifact(out_dir, *, jobs: int = 2, recipes=None, log=print) -> dict:
+    """Build `recipes` (default: the served artifact, kernels.catalog.all_recipes) into `out_dir`
+    (WGSL files + manifest.json)."""
     import json
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -98,7 +105,7 @@ def build_artifact(out_dir, *, jobs: int = 2, log=print) -> dict:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    recipes = all_recipes()
+    recipes = all_recipes() if recipes is None else recipes
     started = time.perf_counter()
     log(f"building {len(recipes)} kernels with apache-tvm {tvm.__version__} ({jobs} processes)")
     if jobs > 1:

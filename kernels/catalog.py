@@ -1,9 +1,11 @@
 """Which kernels the artifact holds, by name. The name encodes every compile-time parameter.
 
-Decode attention is built for each (nest, shape, dtype, window) the tests, the benchmark and the
-models use: f16 for adapters with shader-f16, f32 for the others (e.g. Chromium's SwiftShader).
-Every model kernel comes from a role of model_glue.contract.LLAMA_ROLES, whose buffer names the
-build checks against the kernel it makes.
+Decode attention is built for each shape the benchmark and the models use, f16 for adapters with
+shader-f16 and f32 for the others (e.g. Chromium's SwiftShader): TVM's tiled nest and every variant
+of the sharded family, each over the whole context and split, plus the merge. The tests build
+their own grid of shapes into a test artifact (`python -m app build --tests`). Every model kernel
+comes from a role of model_glue.contract.LLAMA_ROLES, whose buffer names the build checks against
+the kernel it makes.
 """
 
 from __future__ import annotations
@@ -11,30 +13,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernels import llama
-from kernels.decode_attention import decode_attention_sharded, decode_attention_tiled
-from kernels.decode_attention_split import decode_attention_split_merge, decode_attention_split_partial
+from kernels.decode_attention_merge import decode_attention_merge
+from kernels.decode_attention_sharded import decode_attention_sharded, shards_layout
+from kernels.decode_attention_subgroup import decode_attention_subgroup, subgroup_layout
+from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K, MODEL_CONFIGS, MODEL_SHAPES, PAGE_SIZE,
-                                 PREFILL_TOKENS_PER_GROUP, SPLIT_VARIANTS, TEST_SHAPES,
-                                 TILED_WORKGROUP_STORAGE_BYTES, WINDOW_SHAPES, WORKGROUP_STORAGE_BYTES, LlamaConfig,
-                                 attention_kernel_name, model_kernel_name, split_merge_kernel_name)
+from model_glue.contract import (ATTENTION_BUFFERS, ATTENTION_INPUTS, ATTENTION_OUTPUTS, BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K,
+                                 MODEL_CONFIGS, MODEL_SHAPES, PREFILL_TOKENS_PER_GROUP, SPLIT_WORKSPACE, TEST_SHAPES,
+                                 TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionShape, LlamaConfig, attention_kernel_name,
+                                 merge_kernel_name, model_kernel_name, subgroup_tag)
 
-NEST_BUILDERS = {"tiled": decode_attention_tiled, "sharded": decode_attention_sharded}
 BUILDERS = {
-    "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe, **NEST_BUILDERS,
-    "split_partial": decode_attention_split_partial, "split_merge": decode_attention_split_merge,
+    "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe,
+    "tiled": decode_attention_tiled, "sharded": decode_attention_sharded, "subgroup": decode_attention_subgroup,
+    "merge": decode_attention_merge,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
 }
+# What a sharded-family kernel binds: output and lse over the whole context, the workspace when split.
+SHARDED_BUFFERS = {False: ATTENTION_BUFFERS, True: ATTENTION_INPUTS + SPLIT_WORKSPACE}
+MERGE_BUFFERS = SPLIT_WORKSPACE + ATTENTION_OUTPUTS
+
+# The subgroup layout's build parameters (kernels.decode_attention_subgroup). Lanes per K/V row: the
+# adapter's subgroups must hold them, so there is a build for the subgroup sizes seen (4:
+# SwiftShader, 8: lavapipe on 256-bit vectors, 32: NVIDIA, Apple, AMD RDNA; capped at head_dim / 8,
+# two vectors a lane) and the host takes the widest one that fits. Rows per row group per trip,
+# from the sweep on the H200 (docs/benchmarks.md).
+# Each build is (lanes per row, exact subgroup size or None): relative builds for subgroups of at
+# least 4, 8 and 32, and one for subgroups of exactly 32 (butterfly reductions, shuffle pre-merge).
+SUBGROUP_BUILDS = ((4, None), (8, None), (32, None), (32, 32))
+SUBGROUP_UNROLL = {64: 2, 128: 2, 256: 2}
+
+
+def subgroup_builds(head_dim: int, wanted=SUBGROUP_BUILDS) -> list[tuple[int, int | None]]:
+    """The distinct (lanes per row, exact size) builds of a head_dim (lanes capped at head_dim / 8)."""
+    return sorted({(min(lanes, head_dim // 8), exact) for lanes, exact in wanted}, key=lambda b: (b[0], b[1] or 0))
 
 
 @dataclass(frozen=True)
 class KernelRecipe:
-    """A kernel to build: BUILDERS[builder](*args) gives its PrimFunc (picklable for a process pool).
+    """A kernel to build: BUILDERS[builder](*args, **options) gives its PrimFunc (picklable for a
+    process pool).
 
     `buffers`, when given, are the names the runtime will bind: the build fails unless the kernel
-    declares exactly these.
+    declares exactly these. `subgroups` builds it with WebGPU's subgroup operations.
     """
 
     name: str
@@ -43,45 +66,55 @@ class KernelRecipe:
     meta: dict = field(default_factory=dict, hash=False)
     max_workgroup_storage: int = WORKGROUP_STORAGE_BYTES
     buffers: tuple[str, ...] | None = None
+    options: dict = field(default_factory=dict, hash=False)
+    subgroups: bool = False
 
     def make(self):
-        return BUILDERS[self.builder](*self.args)
+        return BUILDERS[self.builder](*self.args, **self.options)
 
 
-def _attention_recipes(shapes, dtypes, windows) -> list[KernelRecipe]:
-    recipes = []
-    for shape in shapes:
-        for dtype in dtypes:
-            for window in windows:
-                for nest in NEST_BUILDERS:
-                    args = (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype, window)
-                    meta = {"kind": "decode_attention", "nest": nest, "num_kv_heads": shape.num_kv_heads,
-                            "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim,
-                            "dtype": dtype, "sliding_window": window}
-                    # TVM's tiled kernel may exceed the 16 KiB default (f32, group 1); ours may not.
-                    limit = TILED_WORKGROUP_STORAGE_BYTES if nest == "tiled" else WORKGROUP_STORAGE_BYTES
-                    recipes.append(KernelRecipe(attention_kernel_name(nest, shape, dtype, window), nest, args,
-                                                meta, limit))
-    return recipes
+def shards_group_fits(shape: AttentionShape) -> bool:
+    """Whether a whole GQA group fits one workgroup of the shards layout."""
+    try:
+        shards_layout(shape.head_dim, shape.group)
+    except ValueError:
+        return False
+    return True
 
 
-def _split_recipes(shapes, dtypes) -> list[KernelRecipe]:
-    """Both split variants' partial kernels and their shared merge, for the shapes the model and the
-    benchmark run (tests build their own grid: tests/test_decode_attention_split.py)."""
-    recipes = []
-    for shape in shapes:
-        for dtype in dtypes:
-            common = {"kind": "decode_attention", "num_kv_heads": shape.num_kv_heads,
-                      "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim, "dtype": dtype,
-                      "sliding_window": False}
-            for variant in SPLIT_VARIANTS:
-                args = (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype, False, PAGE_SIZE,
-                        variant == "split_group")
-                recipes.append(KernelRecipe(attention_kernel_name(variant, shape, dtype, False), "split_partial",
-                                            args, {**common, "nest": variant}))
-            recipes.append(KernelRecipe(split_merge_kernel_name(shape, dtype), "split_merge",
-                                        (shape.num_qo_heads, shape.head_dim, dtype),
-                                        {**common, "kind": "decode_attention_merge"}))
+def attention_recipes(shape: AttentionShape, dtype: str, sliding_window: bool = False, *,
+                      builds=SUBGROUP_BUILDS, unroll: int | None = None, invocations: int = 256,
+                      suffix: str = "") -> list[KernelRecipe]:
+    """Every decode attention kernel the host may run for one shape: tiled, each sharded-family
+    variant over the whole context and split, and the merge (`builds`, `unroll`, `invocations` and
+    `suffix` make the benchmark's sweep and the tests' subgroup builds)."""
+    args = (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype, sliding_window)
+    common = {"kind": "decode_attention", "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
+              "head_dim": shape.head_dim, "dtype": dtype, "sliding_window": sliding_window}
+    # TVM's tiled kernel may exceed the 16 KiB default (f32, group 1); ours may not.
+    recipes = [KernelRecipe(attention_kernel_name("tiled", shape, dtype, sliding_window) + suffix, "tiled", args,
+                            {**common, "nest": "tiled", "variant": "tiled", "split": False},
+                            TILED_WORKGROUP_STORAGE_BYTES, ATTENTION_BUFFERS)] if not suffix else []
+    unroll = unroll or SUBGROUP_UNROLL[shape.head_dim]
+    variants = [("subgroup", subgroup_tag(lanes, exact), "subgroup",
+                 {"row_lanes": lanes, "unroll": unroll, "invocations": invocations, "subgroup_size": exact},
+                 {"row_lanes": subgroup_layout(shape.head_dim, shape.group, lanes, unroll)["row_lanes"],
+                  "subgroup_size": exact, "unroll": unroll, "heads": shape.group, "invocations": invocations})
+                for lanes, exact in subgroup_builds(shape.head_dim, builds)]
+    if not suffix:
+        variants.insert(0, ("shards", None, "sharded", {"group_heads": False}, {"heads": 1}))
+        if shards_group_fits(shape):
+            variants.insert(1, ("shards_group", None, "sharded", {"group_heads": True}, {"heads": shape.group}))
+    for variant, tag, builder, options, meta in variants:
+        for split in (False, True):
+            recipes.append(KernelRecipe(
+                attention_kernel_name(variant, shape, dtype, sliding_window, split, tag) + suffix, builder, args,
+                {**common, "nest": "sharded", "variant": variant, "split": split, **meta},
+                buffers=SHARDED_BUFFERS[split], options={**options, "split": split},
+                subgroups=builder == "subgroup"))
+    if not suffix:
+        recipes.append(KernelRecipe(merge_kernel_name(shape, dtype), "merge", (shape.num_qo_heads, shape.head_dim, dtype),
+                                    {**common, "kind": "decode_attention_merge"}, buffers=MERGE_BUFFERS))
     return recipes
 
 
@@ -119,13 +152,69 @@ def llama_recipes(config_name: str, c: LlamaConfig, dtype: str) -> list[KernelRe
 
 
 def all_recipes() -> list[KernelRecipe]:
+    """The served artifact: the probes, decode attention for the benchmark's and the models' shapes,
+    and every model's kernels."""
     recipes = [KernelRecipe("row_sum_probe", "row_sum_probe", (), {"kind": "probe"}),
                KernelRecipe("stream_read", "stream_read_probe", (), {"kind": "probe"})]
-    recipes += _attention_recipes(TEST_SHAPES + BENCH_SHAPES + MODEL_SHAPES, DTYPES, (False,))
-    recipes += _attention_recipes(WINDOW_SHAPES, DTYPES, (True,))
-    recipes += _split_recipes(BENCH_SHAPES + MODEL_SHAPES, DTYPES)
+    for shape in BENCH_SHAPES + MODEL_SHAPES:
+        for dtype in DTYPES:
+            recipes += attention_recipes(shape, dtype)
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)
     unique = {r.name: r for r in recipes}  # shapes may repeat across lists
+    return list(unique.values())
+
+
+# The benchmark's sweep of the subgroup layout's build parameters (`python -m app build --sweep`).
+SWEEP_BUILDS = ((8, None), (16, None), (32, None), (8, 32), (16, 32), (32, 32))
+SWEEP_UNROLL = (2, 4)
+SWEEP_INVOCATIONS = (128, 256)
+
+
+def sweep_recipes() -> list[KernelRecipe]:
+    """Subgroup kernels for every (row lanes, unroll, invocations) of the sweep, f16, for the
+    benchmark's shapes (named with a _u{unroll}_i{invocations} suffix; the runtime never loads them)."""
+    recipes = []
+    for shape in BENCH_SHAPES + [MODEL_CONFIGS["smollm2_135m"].attention_shape]:
+        for unroll in SWEEP_UNROLL:
+            for invocations in SWEEP_INVOCATIONS:
+                recipes += attention_recipes(shape, "float16", builds=SWEEP_BUILDS, unroll=unroll,
+                                             invocations=invocations, suffix=f"_u{unroll}_i{invocations}")
+    return recipes
+
+
+# The tests' kernels (`python -m app build --set tests`; tests/test_decode_attention.py). The family
+# runs on a grid of head_dim x GQA group, one dtype per shape, alternating so that every head_dim and
+# every group meets both; the subgroup layout as the relative build of 8 lanes per row, and the exact
+# build of 4 lanes per row for subgroups of exactly 8: the subgroup size of the CPU adapter the
+# tests run on (lavapipe on 256-bit vectors).
+TEST_SUBGROUP_BUILDS = ((8, None), (4, 8))
+TEST_FAMILY_GRID = [(d, group, DTYPES[(i + i // 4) % 2]) for i, (d, group) in
+                    enumerate((d, g) for d in (64, 128, 256) for g in (1, 3, 4, 8))]
+TEST_TILED_GRID = [(shape, DTYPES[i % 2]) for i, shape in enumerate(TEST_SHAPES)]  # both dtypes per head_dim
+TEST_EXTRA = [(AttentionShape(1, 4, d), "float32", False) for d in (64, 128, 256)] + [
+    (AttentionShape(1, 3, 64), "float32", False),
+    (AttentionShape(1, 4, 64), "float32", True), (AttentionShape(1, 4, 128), "float32", True),
+    (AttentionShape(1, 4, 256), "float16", True)]
+
+
+def test_recipes() -> list[KernelRecipe]:
+    """TVM's tiled kernel for every head_dim with GQA groups 1-8 (it is wrong for some: the build
+    marks them), and the sharded family on the test grid and the shapes of the RoPE, window and
+    empty-sequence tests."""
+    recipes = [KernelRecipe("stream_read", "stream_read_probe", (), {"kind": "probe"})]
+    for shape, dtype in TEST_TILED_GRID:
+        args = (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype, False)
+        recipes.append(KernelRecipe(attention_kernel_name("tiled", shape, dtype), "tiled", args,
+                                    {"kind": "decode_attention", "nest": "tiled", "variant": "tiled", "split": False,
+                                     "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
+                                     "head_dim": shape.head_dim, "dtype": dtype, "sliding_window": False},
+                                    TILED_WORKGROUP_STORAGE_BYTES, ATTENTION_BUFFERS))
+    cases = [(AttentionShape(2 if g == 1 else 1, 2 * g if g == 1 else g, d), dtype, False)
+             for d, g, dtype in TEST_FAMILY_GRID] + TEST_EXTRA
+    for shape, dtype, window in cases:
+        recipes += [r for r in attention_recipes(shape, dtype, window, builds=TEST_SUBGROUP_BUILDS)
+                    if r.meta.get("variant") != "shards_group" or shape.group > 1]
+    unique = {r.name: r for r in recipes}
     return list(unique.values())
