@@ -1,8 +1,9 @@
-"""Decode attention on the host side: which nest runs, and how one call is assembled.
+"""Decode attention on the host side: which kernels run, and how one call is assembled.
 
-`pick_decode_nest` is the one place that decides between TVM's tiled kernel and the
-sequence-sharded kernel, and `attention_call` the one place that names a call's buffers and
-values; the runtime, the tests and the benchmarks all use them.
+`pick_decode_nest` decides between TVM's tiled kernel and the sequence-sharded family,
+`pick_sharded_variant` which variant of the family and into how many splits the context is cut,
+and `attention_call` names a call's buffers and values. The runtime, the tests and the benchmarks
+all use them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_glue.contract import (ATTENTION_BUFFERS, MAX_SPLITS, NEST_CHOICES, PAGE_SIZE, SHARDED_VARIANTS,
-                                 SPLIT_VARIANTS, SPLIT_WORKSPACE, AttentionShape, KernelSpec)
+                                 SPLIT_WORKSPACE, AttentionShape, KernelSpec)
 
 # Up to this many context tokens the tiled nest's low fixed cost wins; above it, sharded.
 TILED_MAX_CONTEXT = 256
@@ -22,10 +23,10 @@ def attention_call(*, q, pages, page_table_indptr, page_table_values, length_inf
                    rope_theta: float = 1e4, workspace: dict | None = None, num_splits: int = 1) -> tuple[dict, dict]:
     """The buffers (by the kernels' names) and scalar values of one paged decode-attention call.
 
-    Every nest takes TVM's batch_decode_paged_kv arguments; the split variants also take the
-    `workspace` buffers (SPLIT_WORKSPACE, sized by `split_workspace_bytes`) and `num_splits`. The
-    buffers can be anything the caller binds (GPU buffers, numpy arrays, base64 strings);
-    `rotary_mode=1` applies RoPE inline (the model applies it when appending K instead: 0).
+    Every kernel takes TVM's batch_decode_paged_kv arguments; a split kernel writes the `workspace`
+    buffers (SPLIT_WORKSPACE, sized by `split_workspace_bytes`) instead of output and lse, and the
+    merge reads them. The buffers can be anything the caller binds (GPU buffers, numpy arrays,
+    base64 strings); `rotary_mode=1` applies RoPE inline (the model applies it when appending K: 0).
     """
     buffers = dict(zip(ATTENTION_BUFFERS, (q, pages, page_table_indptr, page_table_values, length_info,
                                             k_rope_pos_offset, q_rope_position, output, lse)))
@@ -36,8 +37,8 @@ def attention_call(*, q, pages, page_table_indptr, page_table_values, length_inf
 
 
 def attention_dispatches(kernels: list, buffers: dict, values: dict) -> list[tuple]:
-    """(kernel, its buffers, values) for each dispatch of a call: one kernel, or a split's partial
-    and merge. Each kernel gets exactly the buffers it declares."""
+    """(kernel, its buffers, values) for each dispatch of a call: one kernel, or a split kernel
+    and the merge. Each kernel gets exactly the buffers it declares."""
     return [(kernel, {name: buffers[name] for name in kernel.buffer_names}, values) for kernel in kernels]
 
 
@@ -84,13 +85,18 @@ def pick_decode_nest(context_lens: list[int], override: str = "auto", tiled_defe
 # -- the sharded family: which variant, and into how many splits the context is cut ---------------------
 @dataclass(frozen=True)
 class AttentionChoice:
-    """The decode-attention kernel(s) of one step: "tiled", or a variant of the sharded family."""
+    """The decode-attention kernel(s) of one step: "tiled", or a variant of the sharded family over
+    the whole context (num_splits 1: one dispatch) or cut into num_splits splits (split kernel + merge)."""
 
     variant: str  # "tiled" or one of SHARDED_VARIANTS
     num_splits: int = 1
 
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
     def __str__(self) -> str:
-        return f"{self.variant} S={self.num_splits}" if self.variant in SPLIT_VARIANTS else self.variant
+        return f"{self.variant} S={self.num_splits}" if self.split else self.variant
 
 
 def split_workspace_bytes(max_rows: int, shape: AttentionShape) -> dict[str, int]:
@@ -100,38 +106,83 @@ def split_workspace_bytes(max_rows: int, shape: AttentionShape) -> dict[str, int
 
 
 def parse_sharded_override(text: str) -> AttentionChoice:
-    """'sharded', 'split:8' or 'split_group:4' (benchmarks and tests force a variant this way)."""
+    """'subgroup', 'shards:8' or 'shards_group:4' (benchmarks and tests force a variant this way)."""
     variant, _, splits = text.partition(":")
     if variant not in SHARDED_VARIANTS:
         raise ValueError(f"sharded variant must be one of {SHARDED_VARIANTS}, got {variant!r}")
-    return AttentionChoice(variant, int(splits or 1) if variant != "sharded" else 1)
+    num_splits = int(splits or 1)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"the number of splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    return AttentionChoice(variant, num_splits)
 
 
-# The rule, from a sweep of S for both split variants on an NVIDIA H200 (docs/benchmarks.md,
-# "Choosing S"): the best S put about SPLIT_TARGET_WORKGROUPS workgroups on the GPU for every shape
-# and context from 1,024 to 32,768 tokens (S = 4 for 32 query heads, 16 for 8, 8 for 9), and more
-# splits only added partial-kernel merges. "split_group" (a GQA group per workgroup) tied or lost
-# except at a few points, so GPUs run "split". On a CPU rasterizer (lavapipe, SwiftShader) every
-# split only adds work: one split, with the variant that was fastest there (split_group).
-SPLIT_TARGET_WORKGROUPS = 128
-SPLIT_MIN_TOKENS = 64  # a split shorter than this is mostly fixed cost
-GPU_VARIANT = "split"
-CPU_CHOICE = AttentionChoice("split_group", 1)
+# The rules, from sweeps on an NVIDIA H200 (docs/benchmarks.md, "Choosing S"). A split pays while the
+# GPU has idle SMs, and costs a merge: S doubles (powers of two) while the call stays within
+# TARGET_WORKGROUPS workgroups and each split keeps at least MIN_SPLIT_ROWS rows.
+#  - "subgroup" serves a whole GQA group per workgroup (B * H_kv * S workgroups); GPUs whose subgroups
+#    fit a build run it (pick_subgroup_build). Long contexts go on to WIDE_WORKGROUPS while a split
+#    still holds WIDE_SPLIT_ROWS rows (e.g. 8 KV heads at 32,768 tokens: S = 32).
+#  - "shards" serves one query head per workgroup (B * H_qo * S); GPUs without subgroups run it.
+#  - A CPU rasterizer (lavapipe, SwiftShader) has no idle SMs to fill: one split. Its subgroups are
+#    its SIMD lanes, and "subgroup" with that many lanes per row ran 2-4x faster there than the shards
+#    layout (docs/benchmarks.md, lavapipe); without a fitting build, a whole GQA group per workgroup
+#    where the shape fits ("shards_group": each K/V row read once per group).
+SUBGROUP_TARGET_WORKGROUPS = 128
+SUBGROUP_MIN_SPLIT_ROWS = 128
+SUBGROUP_WIDE_WORKGROUPS = 256
+SUBGROUP_WIDE_SPLIT_ROWS = 512
+SHARDS_TARGET_WORKGROUPS = 128
+SHARDS_MIN_SPLIT_ROWS = 64
 
 
-def pick_sharded_variant(context_lens: list[int], shape: AttentionShape, *, is_cpu: bool,
+def pick_subgroup_build(builds, subgroup_min_size: int | None, subgroup_max_size: int | None):
+    """Of the artifact's subgroup-layout builds, (row_lanes, exact subgroup size or None) each, the
+    one this device runs best, or None. A build for an exact size needs subgroups of exactly that
+    size (min == max); a relative build needs a row's lanes to fit the smallest subgroup
+    (kernels.decode_attention_subgroup), and the widest such build wins."""
+    exact = [b for b in builds if b[1] and subgroup_min_size == subgroup_max_size == b[1]]
+    relative = [b for b in builds if not b[1] and subgroup_min_size and b[0] <= subgroup_min_size]
+    return max(exact or relative, default=None)
+
+
+def _splits(workgroups_per_split: int, longest: int, max_splits: int, tiers) -> int:
+    """The largest power of two S (<= max_splits) such that some tier (most workgroups, fewest rows a
+    split) admits it."""
+    splits = 1
+    while 2 * splits <= max_splits and any(2 * splits * workgroups_per_split <= most and longest // (2 * splits) >= rows
+                                           for most, rows in tiers):
+        splits *= 2
+    return splits
+
+
+def pick_sharded_variant(context_lens: list[int], shape: AttentionShape, *, is_cpu: bool, subgroups: bool,
+                         available: frozenset[str] | set[str] = frozenset(SHARDED_VARIANTS),
                          max_rows: int = MAX_SPLITS, override: str | None = None) -> AttentionChoice:
     """The sharded-family variant and its split count S for one step of a batch (whose longest
-    context is above the tiled nest's range). `max_rows` bounds batch * S (the workspace's size);
-    `override` forces a choice ('sharded', 'split:8', 'split_group:4') for benchmarks and tests."""
+    context is above the tiled nest's range).
+
+    `subgroups`: the device runs the artifact's subgroup kernels (it has the feature and subgroups
+    of at least their row lanes); `available`: the variants the artifact holds for this shape
+    ("shards_group" only where the group fits the layout); `max_rows` bounds batch * S (the
+    workspace's size); `override` forces a choice ('shards:8', 'subgroup', ...).
+    """
     if override:
-        return parse_sharded_override(override)
+        choice = parse_sharded_override(override)
+        if choice.variant not in available:
+            raise ValueError(f"the artifact has no {choice.variant!r} kernels for this shape")
+        if choice.variant == "subgroup" and not subgroups:
+            raise ValueError("this device cannot run the subgroup kernels (no subgroups feature, or its "
+                             "subgroups are smaller than the kernels' row lanes)")
+        return choice
     if is_cpu:
-        return CPU_CHOICE
+        if subgroups and "subgroup" in available:
+            return AttentionChoice("subgroup", 1)
+        return AttentionChoice("shards_group" if "shards_group" in available else "shards", 1)
     batch = max(len(context_lens), 1)
-    splits = 1
-    while (splits * 2 * batch * shape.num_qo_heads <= SPLIT_TARGET_WORKGROUPS
-           and splits * 2 * SPLIT_MIN_TOKENS <= max(context_lens, default=0)
-           and splits * 2 <= min(MAX_SPLITS, max_rows // batch)):
-        splits *= 2
-    return AttentionChoice(GPU_VARIANT, splits)
+    longest = max(context_lens, default=0)
+    max_splits = min(MAX_SPLITS, max(max_rows // batch, 1))
+    if subgroups and "subgroup" in available:
+        return AttentionChoice("subgroup", _splits(batch * shape.num_kv_heads, longest, max_splits, (
+            (SUBGROUP_TARGET_WORKGROUPS, SUBGROUP_MIN_SPLIT_ROWS), (SUBGROUP_WIDE_WORKGROUPS, SUBGROUP_WIDE_SPLIT_ROWS))))
+    return AttentionChoice("shards", _splits(batch * shape.num_qo_heads, longest, max_splits,
+                                             ((SHARDS_TARGET_WORKGROUPS, SHARDS_MIN_SPLIT_ROWS),)))

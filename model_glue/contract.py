@@ -23,16 +23,19 @@ from dataclasses import asdict, dataclass, field
 PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
 NESTS = ("tiled", "sharded")
 NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets pick_decode_nest choose
-# The sharded family: one workgroup per (sequence, query head) over the whole context ("sharded"),
-# or the context split across S workgroups plus a merge kernel, one query head per workgroup
-# ("split") or a whole GQA group per workgroup ("split_group"). model_glue.attention picks one.
-SHARDED_VARIANTS = ("sharded", "split", "split_group")
-SPLIT_VARIANTS = ("split", "split_group")
-MAX_SPLITS = 64  # the most splits the host picks (the workspace is sized for it)
+# The sharded family's variants (model_glue.attention picks one per step):
+#   "shards"        the seed's layout (shards own whole K/V rows), one query head per workgroup
+#   "shards_group"  the same with a whole GQA group per workgroup (where the group fits)
+#   "subgroup"      K/V rows across subgroups, head dims across a subgroup's lanes, a GQA group per
+#                   workgroup (adapters with the `subgroups` feature)
+# Each runs over the whole context in one dispatch (S = 1: it writes output and lse itself), or cut
+# into S splits (its `split` kernel writes SPLIT_WORKSPACE) followed by the merge kernel.
+SHARDED_VARIANTS = ("shards", "shards_group", "subgroup")
+MAX_SPLITS = 128  # the most splits the host picks (the workspace is sized for it)
 
 # -- artifacts -------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
-KERNEL_ARTIFACT_FORMAT = 2  # 2: typed KernelSpec entries (no `scalars`), roles checked at build
+KERNEL_ARTIFACT_FORMAT = 3  # 2: typed KernelSpec entries, roles checked at build; 3: `features`
 MODEL_ARTIFACT_FORMAT = 3  # 2: the manifest names its config; 3: and the weights file's sha256 (the page's cache key)
 MODEL_ARTIFACT_KIND = "llama-q4"  # Q4_1 matrices, Q8_0 tied embedding (convert/gguf.py documents the packing)
 WEIGHTS_FILE = "weights.bin"
@@ -125,16 +128,24 @@ MODEL_SHAPES = [config.attention_shape for config in MODEL_CONFIGS.values()]
 
 
 # -- kernel names and roles ------------------------------------------------------------------------------
-def attention_kernel_name(nest: str, shape: AttentionShape, dtype: str, sliding_window: bool) -> str:
-    """The name encodes every compile-time parameter of a decode attention kernel."""
-    window = "_sw" if sliding_window else ""
-    return (f"decode_{nest}_d{shape.head_dim}_kv{shape.num_kv_heads}_qo{shape.num_qo_heads}"
-            f"_{DTYPE_TAGS[dtype]}{window}")
+def subgroup_tag(row_lanes: int, subgroup_size: int | None = None) -> str:
+    """A subgroup-layout build's name tag: its lanes per K/V row, and the exact subgroup size it
+    is built for, if any (kernels.decode_attention_subgroup)."""
+    return f"l{row_lanes}" + (f"s{subgroup_size}" if subgroup_size else "")
 
 
-def split_merge_kernel_name(shape: AttentionShape, dtype: str) -> str:
-    """The merge kernel shared by both split variants of a shape."""
-    return f"decode_split_merge_d{shape.head_dim}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
+def attention_kernel_name(variant: str, shape: AttentionShape, dtype: str, sliding_window: bool = False,
+                          split: bool = False, tag: str | None = None) -> str:
+    """The name encodes every compile-time parameter of a decode attention kernel: "tiled" or a
+    sharded-family variant (with its build's `tag`, e.g. the subgroup layout's `subgroup_tag`), over
+    the whole context or (`split`) one split of it."""
+    return (f"decode_{variant}{'_' + tag if tag else ''}{'_split' if split else ''}_d{shape.head_dim}"
+            f"_kv{shape.num_kv_heads}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}{'_sw' if sliding_window else ''}")
+
+
+def merge_kernel_name(shape: AttentionShape, dtype: str) -> str:
+    """The kernel that merges the S partial states of any split variant of a shape."""
+    return f"decode_merge_d{shape.head_dim}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
 
 
 def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
@@ -146,8 +157,9 @@ ATTENTION_INPUTS = ("Q", "pages", "page_table_indptr", "page_table_values", "len
                     "k_rope_pos_offset", "q_rope_position")
 ATTENTION_OUTPUTS = ("output", "lse")
 ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
-# The split variants' workspace: per (sequence, query head, split) the split's O (not yet divided)
-# and (max, denominator) in the log2 domain, dense for the call's S: [B, H_qo, S, D] and [B, H_qo, S, 2].
+# A split kernel's outputs (instead of output and lse): per (sequence, query head, split) the split's
+# O (not yet divided) and (max, denominator) in the log2 domain, dense for the call's S:
+# [B, H_qo, S, D] and [B, H_qo, S, 2], f32. The merge kernel reads them.
 SPLIT_WORKSPACE = ("partial_o", "partial_stats")
 
 _MATMUL = ("x", "w", "scale", "wmin", "y")
@@ -217,6 +229,7 @@ class KernelSpec:
       over the kernel's scalars and shape variables: an int, a name, or [op, lhs, rhs] with op in
       + - * // % >> << min max (model_glue.kernel.evaluate).
     - `workgroup_storage_bytes` and `barriers`: counted in the WGSL; the runtime checks limits.
+    - `features`: the WebGPU features its WGSL enables (`shader-f16`, `subgroups`).
     - `meta`: what the kernel is for (kind, role, shape, dtype...); `defect`, when present, says
       why the host must not run it (see model_glue.attention.tiled_defect).
     """
@@ -232,6 +245,7 @@ class KernelSpec:
     barriers: int
     meta: dict = field(default_factory=dict)
     compile_seconds: float = 0.0
+    features: list[str] = field(default_factory=list)
 
     @property
     def buffer_names(self) -> list[str]:

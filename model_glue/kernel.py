@@ -67,7 +67,9 @@ class Kernel:
 
     @classmethod
     async def compile(cls, device, spec: KernelSpec, wgsl: str) -> "Kernel":
-        unmet = unmet_limits(spec, device.limits)
+        unmet = unmet_limits(spec, device.limits) + [
+            f"kernel {spec.name} needs the WebGPU feature {feature}, which this device lacks"
+            for feature in spec.features if feature not in device.features]
         if unmet:
             raise AdapterLimitError("this GPU adapter's limits are too low: " + "; ".join(unmet))
         pipeline = await device.compute_pipeline(wgsl, spec.entry, spec.name)

@@ -18,12 +18,13 @@ from array import array
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
-                                  pick_sharded_variant, split_workspace_bytes, tiled_defect)
+from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, parse_sharded_override,
+                                  pick_decode_nest, pick_sharded_variant, split_workspace_bytes, tiled_defect,
+                                  pick_subgroup_build)
 from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MAX_TOP_K, MODEL_ARTIFACT_FORMAT,
-                                 MODEL_ARTIFACT_KIND, MODEL_CONFIGS, NESTS, PAGE_SIZE, SHARDED_VARIANTS,
-                                 SPLIT_VARIANTS, SPLIT_WORKSPACE, LlamaConfig, attention_kernel_name, model_kernel_name,
-                                 split_merge_kernel_name)
+                                 MODEL_ARTIFACT_KIND, MODEL_CONFIGS, PAGE_SIZE, SHARDED_VARIANTS, SPLIT_WORKSPACE,
+                                 LlamaConfig, attention_kernel_name, merge_kernel_name, model_kernel_name,
+                                 subgroup_tag)
 from model_glue.kernel import DispatchPlan, unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
@@ -76,7 +77,7 @@ class StepStats:
     tokens: int  # tokens processed in this pass
     context: int  # tokens attended by the last query (the step's longest context)
     nest: str  # "tiled" or "sharded" (the family; the comparison mode's axis)
-    variant: str  # what ran: "tiled", "sharded", "split S=8", "split_group S=1"
+    variant: str  # what ran: "tiled", "subgroup", "subgroup S=8", "shards_group" (model_glue.attention)
     attention_ms: float | None  # GPU time of all attention dispatches, summed over layers
     step_ms: float  # wall time of the pass (encoding, GPU work, token id back); pipelined steps overlap,
     #                 so a decode step counts from when the previous id arrived
@@ -172,7 +173,12 @@ class LlamaModel:
         self.kv = PagedKVCache(device, config, self.esize)
         self.cached_ids: list[int] = []  # the token ids whose K/V the cache holds, in order
         self.kernels: dict = {}
+        # Decode attention: "tiled", "merge", and (variant, split) for the sharded family's kernels,
+        # compiled for what this adapter runs (`prepare_variant` adds others).
         self.attention: dict = {}
+        self.attention_names: dict = {}
+        self.sharded_variants: frozenset[str] = frozenset()  # the family's variants the artifact holds
+        self.runs_subgroups = False  # the device runs the artifact's subgroup kernels
         self._scratch_tokens = 0
         self.buffers: dict = {}
         # Decode passes (n = 1) dispatch the same kernels on the same buffers every step: their
@@ -194,7 +200,7 @@ class LlamaModel:
         self._last_finish = 0.0
         self.stats: list[StepStats] = []
         self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
-        self.sharded_override: str | None = None  # e.g. "split:8": forces the sharded family's variant
+        self.sharded_override: str | None = None  # e.g. "shards:8" (set by `force_variant`)
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -220,8 +226,9 @@ class LlamaModel:
         if dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         names = _kernel_names(library, config_name, config, dtype)
+        attention_names = _attention_kernel_names(library, config, dtype, device)
         esize = DTYPE_BYTES[dtype]
-        _check_limits(device, library, names.values(), {
+        _check_limits(device, library, list(names.values()) + [attention_names["tiled"]], {
             "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
             "the largest activation buffer": max(cls.scratch_sizes(config, esize, MAX_PREFILL_CHUNK).values()),
@@ -245,14 +252,42 @@ class LlamaModel:
                 raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
             weights[name] = device.storage_buffer(t["nbytes"], data)
         model = cls(device, library, config, weights, dtype, config_name)
-        model.tiled_defect = tiled_defect(library.specs[names["tiled"]])
+        model.attention_names = attention_names
+        model.tiled_defect = tiled_defect(library.specs[attention_names["tiled"]])
+        model.sharded_variants = frozenset(v for v in SHARDED_VARIANTS if (v, False) in attention_names)
+        model.runs_subgroups = ("subgroup", False) in attention_names
         progress("compiling kernels")
         for role, name in names.items():
-            if role in SHARDED_VARIANTS + NESTS + ("split_merge",):
-                model.attention[role] = await library.kernel(name)
-            else:
-                model.kernels[role] = await library.kernel(name)
+            model.kernels[role] = await library.kernel(name)
+        model.attention["tiled"] = await library.kernel(attention_names["tiled"])
+        # What this adapter's rule picks: one variant over the whole context, and split (GPUs).
+        variant = model._pick_variant([config.max_context]).variant
+        await model.prepare_variant(variant, split=not device.is_cpu)
         return model
+
+    async def prepare_variant(self, variant: str, split: bool = True) -> None:
+        """Compile a sharded-family variant's kernels (over the whole context, and split + the merge)."""
+        wanted = [(variant, False)] + ([(variant, True), "merge"] if split else [])
+        for key in wanted:
+            if key not in self.attention:
+                if key not in self.attention_names:
+                    raise ModelError(f"the kernel artifact has no {variant!r} decode attention for this model")
+                self.attention[key] = await self.library.kernel(self.attention_names[key])
+
+    async def force_variant(self, override: str | None) -> None:
+        """Hold the sharded family to a variant and split count ('shards:8', 'subgroup', ...; None:
+        the adapter's rule again), for benchmarks and tests."""
+        if override is not None:
+            choice = parse_sharded_override(override)
+            if choice.variant == "subgroup" and not self.runs_subgroups:
+                raise ModelError("this device cannot run the subgroup kernels")
+            await self.prepare_variant(choice.variant, split=True)
+        self.sharded_override = override
+
+    def _pick_variant(self, contexts: list[int]) -> AttentionChoice:
+        return pick_sharded_variant(contexts, self.config.attention_shape, is_cpu=self.device.is_cpu,
+                                    subgroups=self.runs_subgroups, available=self.sharded_variants,
+                                    max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
 
     # -- scratch buffers ----------------------------------------------------------------------
     @staticmethod
@@ -328,10 +363,7 @@ class LlamaModel:
             nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
         except ValueError as err:
             raise ModelError(str(err)) from err
-        choice = AttentionChoice("tiled")
-        if nest == "sharded":
-            choice = pick_sharded_variant(contexts, c.attention_shape, is_cpu=self.device.is_cpu,
-                                          max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
+        choice = self._pick_variant(contexts) if nest == "sharded" else AttentionChoice("tiled")
         slots = self.kv.reserve(n)
         # None marks an id that is still on the GPU; `finish` of the pass that chooses it fills it in.
         self.cached_ids.extend([None] if token_ids is None else token_ids)
@@ -351,7 +383,7 @@ class LlamaModel:
         staging = self._staging[self._passes_submitted % PIPELINE_DEPTH]
         self._passes_submitted += 1
         batch = dev.batch()
-        plan_key = f"{choice.variant}/{'argmax' if sampling.greedy else 'sample'}"
+        plan_key = (choice.variant, choice.split, sampling.greedy)  # the dispatches a decode pass makes
         replay = n == 1 and self.replay_recorded
         recorded = self._recorded.get(plan_key) if replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
@@ -422,10 +454,14 @@ class LlamaModel:
         return sorted({type(recorded).__name__ for recorded in self._recorded.values()})
 
     def _attention_kernels(self, choice: AttentionChoice) -> list:
-        attention = [self.attention[choice.variant]]
-        if choice.variant in SPLIT_VARIANTS:
-            attention.append(self.attention["split_merge"])  # combines the S partial results
-        return attention
+        """The dispatches of one attention call: tiled, a variant over the whole context, or a
+        variant's split kernel and the merge that combines the S partial results."""
+        if choice.variant == "tiled":
+            return [self.attention["tiled"]]
+        key = (choice.variant, choice.split)
+        if key not in self.attention:
+            raise ModelError(f"decode attention {choice} is not compiled (see LlamaModel.prepare_variant)")
+        return [self.attention[key], self.attention["merge"]] if choice.split else [self.attention[key]]
 
     def _attention_call(self, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
         """Buffers and values of one layer's attention (the values are the same in every layer)."""
@@ -453,7 +489,7 @@ class LlamaModel:
         return pairs
 
     def _encode_forward(self, batch, n: int, choice: AttentionChoice, nnz_pages: int, stamps, sampling: Sampling,
-                        draw: float, plan_key: str) -> None:
+                        draw: float, plan_key: tuple) -> None:
         """The whole forward pass as kernel dispatches (bound per pass: shapes change with n)."""
         c, w, buf, k = self.config, self.weights, self.buffers, self.kernels
         phase = "decode" if n == 1 else "prefill"
@@ -566,14 +602,36 @@ def _checked_config(config_name: str | None, values: dict, max_context: int | No
 
 
 def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) -> dict[str, str]:
-    """Artifact kernel name of every role the forward pass runs, the attention nests included."""
+    """Artifact kernel name of every role the forward pass runs (decode attention apart)."""
     names = {role: model_kernel_name(config_name, role, dtype) for role in LLAMA_ROLES}
-    names.update({nest: attention_kernel_name(nest, config.attention_shape, dtype, False)
-                  for nest in NESTS + SPLIT_VARIANTS})
-    names["split_merge"] = split_merge_kernel_name(config.attention_shape, dtype)
     missing = sorted(name for name in names.values() if name not in library.specs)
     if missing:
         raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "
+                         "rebuild it with `python -m app build`")
+    return names
+
+
+def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) -> dict:
+    """"tiled", "merge" and (variant, split) -> artifact name, for the decode attention kernels the
+    artifact holds for the model's shape and this device runs (tiled, the merge and "shards" must be
+    there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
+    shape = config.attention_shape
+    names = {"tiled": attention_kernel_name("tiled", shape, dtype), "merge": merge_kernel_name(shape, dtype)}
+    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
+        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
+        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
+    build = pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
+    tags = {"subgroup": subgroup_tag(*build) if build else None}
+    for variant in SHARDED_VARIANTS:
+        if variant == "subgroup" and build is None:
+            continue
+        for split in (False, True):
+            name = attention_kernel_name(variant, shape, dtype, split=split, tag=tags.get(variant))
+            if name in library.specs:
+                names[variant, split] = name
+    missing = [key for key in ("tiled", "merge", ("shards", False), ("shards", True)) if key not in names]
+    if missing:
+        raise ModelError(f"the kernel artifact lacks the decode attention kernels of this model ({missing}); "
                          "rebuild it with `python -m app build`")
     return names
 

@@ -28,8 +28,16 @@ KERNEL_LIMITS = (
 )
 BUFFER_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize")  # weights and long KV caches
 REQUESTED_LIMITS = KERNEL_LIMITS + BUFFER_LIMITS
-OPTIONAL_FEATURES = ("shader-f16", "timestamp-query")
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups")
+# wgpu-py spells WebGPU's "subgroups" feature "subgroup".
+WGPU_FEATURE_NAMES = {"subgroups": "subgroup"}
 LOST_WAIT_MS = 200
+# Native only: every invocation writes its subgroup's size (WgpuDevice._probe_subgroup_size).
+SUBGROUP_PROBE_WGSL = """
+@group(0) @binding(0) var<storage, read_write> size: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) i: u32, @builtin(subgroup_size) n: u32) { size[i] = n; }
+"""
 
 
 def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
@@ -73,6 +81,10 @@ class Device:
         self.limits = limits
         self.has_f16 = "shader-f16" in self.features
         self.has_timestamps = "timestamp-query" in self.features
+        # The fewest invocations a subgroup of this device holds (None without `subgroups`): a
+        # subgroup-layout kernel runs only if its row lanes fit in one (model_glue.attention).
+        self.subgroup_min_size: int | None = None
+        self.subgroup_max_size: int | None = None
         self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
         # A CPU rasterizer (lavapipe, SwiftShader): no memory-level parallelism to win by splitting work.
         lowered = adapter_name.lower()
@@ -178,6 +190,8 @@ class Device:
             "backend": self.backend,
             "shader_f16": self.has_f16,
             "timestamp_query": self.has_timestamps,
+            "subgroup_min_size": self.subgroup_min_size,
+            "subgroup_max_size": self.subgroup_max_size,
             "features": sorted(self.features),
         }
 
@@ -349,12 +363,39 @@ class WgpuDevice(Device):
         rank = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
         adapter = min(adapters, key=lambda a: rank.get(a.info.get("adapter_type"), 4))
         limits = negotiate_limits(lambda name: adapter.limits[_kebab(name)], limit_caps)
-        features = {f for f in OPTIONAL_FEATURES if f in adapter.features}
+        features = {f for f in OPTIONAL_FEATURES if WGPU_FEATURE_NAMES.get(f, f) in adapter.features}
         device = adapter.request_device_sync(
-            required_features=sorted(features),
+            required_features=sorted(WGPU_FEATURE_NAMES.get(f, f) for f in features),
             required_limits={_kebab(k): v for k, v in limits.items()},
         )
-        return cls(adapter, device, features, limits)
+        opened = cls(adapter, device, features, limits)
+        if "subgroups" in features:
+            # The size this adapter's pipelines get (an NVIDIA GPU: always 32). An adapter that picks
+            # it per pipeline (AMD, Intel) could give another pipeline another size.
+            opened.subgroup_min_size = opened.subgroup_max_size = opened._probe_subgroup_size()
+        return opened
+
+    def _probe_subgroup_size(self) -> int:
+        """The subgroup size a compute pipeline of 64 invocations gets, read from `subgroup_size`
+        (wgpu-native reports only WebGPU's default bounds, 4 and 128, as the adapter's)."""
+        import wgpu
+
+        module = self._device.create_shader_module(code=SUBGROUP_PROBE_WGSL)
+        pipeline = self._device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main"})
+        out = self._device.create_buffer(size=4 * 64, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        bind_group = self._device.create_bind_group(layout=pipeline.get_bind_group_layout(0),
+                                                    entries=[{"binding": 0, "resource": {"buffer": out}}])
+        encoder = self._device.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, bind_group)
+        compute.dispatch_workgroups(1)
+        compute.end()
+        self._device.queue.submit([encoder.finish()])
+        sizes = memoryview(self._device.queue.read_buffer(out)).cast("I")
+        size = min(sizes)
+        out.destroy()
+        return size
 
     def record(self, tape: list, varying=()) -> RecordedPasses:
         return WgpuRecordedPasses(self, tape)  # reads every grid as it replays
@@ -376,7 +417,9 @@ class WgpuDevice(Device):
 
     async def _compute_pipeline(self, wgsl, entry, label):
         try:
-            module = self._device.create_shader_module(code=wgsl, label=label)
+            # naga implements the subgroup built-ins (under the device feature) but not yet WGSL's
+            # `enable subgroups;` directive (gfx-rs/wgpu#5555), so the directive goes.
+            module = self._device.create_shader_module(code=wgsl.replace("enable subgroups;", ""), label=label)
             return self._device.create_compute_pipeline(
                 layout="auto", compute={"module": module, "entry_point": entry}, label=label
             )
@@ -476,6 +519,9 @@ class BrowserDevice(Device):
         parts = [str(getattr(info, k, "") or "") for k in ("vendor", "architecture", "device", "description")]
         name = " / ".join(p for p in parts if p) or "unknown adapter"
         opened = cls(device, name, features, limits)
+        if "subgroups" in features:
+            opened.subgroup_min_size = int(getattr(info, "subgroupMinSize", 0) or 0) or None
+            opened.subgroup_max_size = int(getattr(info, "subgroupMaxSize", 0) or 0) or None
         device.lost.then(create_proxy(opened._on_lost))
         return opened
 
