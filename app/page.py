@@ -59,7 +59,7 @@ class Session:
         import asyncio
 
         wanted = [n for n in (names or list(self.library.specs))
-                  if self.device.has_f16 or self.library.specs[n].meta.get("dtype") != "float16"]
+                  if set(self.library.specs[n].features) <= self.device.features]
         results = await asyncio.gather(*(self.library.kernel(n) for n in wanted), return_exceptions=True)
         return {n: str(r) for n, r in zip(wanted, results) if isinstance(r, Exception)}
 

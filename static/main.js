@@ -70,6 +70,9 @@ function showAdapter(device, probe) {
     ["name", device.adapter], ["backend", device.backend],
     ["shader-f16", device.shader_f16 ? "yes (f16 kernels)" : "no (f32 kernels)"],
     ["timestamp-query", device.timestamp_query ? "yes" : "no (no attention timings)"],
+    ["subgroups", device.subgroup_min_size
+      ? `${device.subgroup_min_size}-${device.subgroup_max_size} invocations (subgroup attention kernels)`
+      : "no (shards attention kernels)"],
     ["features", device.features.join(", ")],
   ];
   for (const [k, v] of rows) {

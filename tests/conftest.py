@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
 ARTIFACT = STATIC / "artifacts" / "kernels"
+TEST_ARTIFACT = ROOT / "build" / "test-kernels"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -67,6 +68,24 @@ def library(loop, gpu, artifact_dir):
     from model_glue.artifact import KernelLibrary
 
     return loop.run_until_complete(KernelLibrary.from_folder(gpu, artifact_dir))
+
+
+@pytest.fixture(scope="session")
+def test_artifact_dir() -> Path:
+    """The kernels only the tests run (`make test` builds them); built here if a run starts without."""
+    if not (TEST_ARTIFACT / "manifest.json").exists():
+        from kernels.build import build_artifact
+        from kernels.catalog import test_recipes
+
+        build_artifact(TEST_ARTIFACT, recipes=test_recipes())
+    return TEST_ARTIFACT
+
+
+@pytest.fixture(scope="session")
+def test_library(loop, gpu, test_artifact_dir):
+    from model_glue.artifact import KernelLibrary
+
+    return loop.run_until_complete(KernelLibrary.from_folder(gpu, test_artifact_dir))
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ import pytest
 from conftest import open_page
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
-from model_glue.attention import attention_call
-from model_glue.contract import ATTENTION_OUTPUTS, NESTS, AttentionShape, attention_kernel_name
+from kernels.catalog import subgroup_builds
+from model_glue.attention import attention_call, pick_subgroup_build
+from model_glue.contract import ATTENTION_OUTPUTS, AttentionShape, attention_kernel_name, subgroup_tag
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -67,13 +68,33 @@ def _b64(array) -> str:
     return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
 
 
-@pytest.mark.parametrize("nest", NESTS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_attention_in_chromium_matches_reference(page, head_dim, nest):
-    shape = AttentionShape(1, 4, head_dim)
+def _kernel_in_page(page, variant, shape):
+    """The artifact name of `variant` ("tiled", "shards" or "subgroup", whole context) as this
+    page's adapter runs it: the subgroup build its subgroups fit (None: none fits)."""
+    tag = None
+    if variant == "subgroup":
+        device = page.evaluate("window.demoState.device")
+        build = pick_subgroup_build(subgroup_builds(shape.head_dim), device["subgroup_min_size"],
+                                    device["subgroup_max_size"])
+        if build is None:
+            return None
+        tag = subgroup_tag(*build)
+    return attention_kernel_name(variant, shape, "float32", tag=tag)
+
+
+@pytest.mark.parametrize("variant", ["tiled", "shards", "subgroup"])
+@pytest.mark.parametrize("shape", [AttentionShape(2, 4, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)],
+                         ids=lambda s: f"d{s.head_dim}")
+def test_attention_in_chromium_matches_reference(page, shape, variant):
+    """Served kernels (SwiftShader: f32; its subgroups of 4 run the 4-lane subgroup build) against
+    the f64 reference, compiled by Chromium's WGSL compiler and run through navigator.gpu."""
+    name = _kernel_in_page(page, variant, shape)
+    if name is None:
+        pytest.skip("this adapter's subgroups fit no subgroup build")
+    head_dim, heads = shape.head_dim, shape.num_qo_heads
     rng = np.random.default_rng(head_dim)
-    inputs = make_paged_inputs(rng, [17, 257, 1000], 1, 4, head_dim, "float32")
-    batch, heads = 3, 4
+    inputs = make_paged_inputs(rng, [17, 300], shape.num_kv_heads, heads, head_dim, "float32")
+    batch = 2
     as_i32 = lambda a: _b64(np.asarray(a, np.int32))
     buffers, values = attention_call(
         q=_b64(inputs["q"].astype(np.float32)), pages=_b64(inputs["pages"].astype(np.float32)),
@@ -83,7 +104,7 @@ def test_attention_in_chromium_matches_reference(page, head_dim, nest):
         batch=batch, nnz_pages=len(inputs["page_table_values"]), max_num_pages=inputs["pages"].shape[0],
         sm_scale=float(inputs["sm_scale"]))
     outputs = {name: buffers.pop(name) for name in ATTENTION_OUTPUTS}  # byte sizes to allocate
-    args = {"name": attention_kernel_name(nest, shape, "float32", False), "buffers": buffers, "values": values,
+    args = {"name": name, "buffers": buffers, "values": values,
             "outputs": outputs}
     result = page.evaluate(
         """async (a) => {

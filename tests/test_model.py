@@ -95,19 +95,21 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_d
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 240)]
     runs = {}
-    # auto (on this CPU adapter: split_group, S=1), tiled forced, and the sharded family held to
-    # other variants and split counts: the greedy text must not change.
-    for label, attention, override in (("auto", "auto", None), ("tiled", "tiled", None),
-                                       ("sharded", "auto", "sharded"), ("split:8", "auto", "split:8"),
-                                       ("split_group:3", "auto", "split_group:3")):
-        model.sharded_override = override
+    # auto (on this CPU adapter: subgroup where its subgroups hold 8 lanes, else shards_group; S=1),
+    # tiled forced, and the sharded family held to every other variant, whole and split: the greedy
+    # text must not change.
+    overrides = ["shards", "shards:8", "shards_group:3"] + (["subgroup", "subgroup:5"] if model.runs_subgroups else [])
+    for label, attention, override in [("auto", "auto", None), ("tiled", "tiled", None)] + [
+            (o, "auto", o) for o in overrides]:
+        loop.run_until_complete(model.force_variant(override))
         runs[label] = loop.run_until_complete(generate(model, prompt, max_new_tokens=100, attention=attention))
-    model.sharded_override = None
+    loop.run_until_complete(model.force_variant(None))
     auto = runs["auto"]
     decode = [s for s in auto.stats if s.kind == "decode"]
     assert {s.nest for s in decode if s.context <= 256} == {"tiled"}
     assert {s.nest for s in decode if s.context > 256} == {"sharded"}
-    assert {s.variant for s in runs["split:8"].stats if s.context > 256} == {"split S=8"}
+    assert {s.variant for s in decode if s.context > 256} == {"subgroup" if model.runs_subgroups else "shards_group"}
+    assert {s.variant for s in runs["shards:8"].stats if s.context > 256} == {"shards S=8"}
     switch = next(i for i, s in enumerate(decode) if s.nest == "sharded")
     assert decode[switch].context == 257
     steps_past_switch = len(decode) - switch
@@ -204,7 +206,7 @@ def test_real_model_logits_match_reference(loop, smollm2):
 def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, library, tiny_dir):
     model = load(loop, gpu, library, tiny_dir, "float32")
     loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, attention="tiled"))
-    plan = model._decode_plans["tiled/argmax"]
+    plan = model._decode_plans["tiled", False, True]
     attention = model.attention["tiled"].name
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
     assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform

@@ -1,48 +1,66 @@
-"""`python -m app bench attention`: paged decode attention per call, every nest and split variant.
+"""`python -m app bench attention`: paged decode attention per call, every kernel of the artifact.
 
 Shapes (batch 1): D=64 with 8 KV / 32 query heads, D=128 with 8/32 (Llama-3.1-8B), D=256 with 4/8,
-and SmolLM2's D=64 with 3/9. Times are GPU timestamps around each call (a split's partial and
-merge kernels in one timed pass; median of --iters calls) where the adapter has timestamp-query,
-else wall time over --iters back-to-back calls in one submit. KV GB/s counts each KV head's context
-once (GQA re-reads are cache hits, not DRAM traffic); "of stream" divides it by the streaming-read
-bandwidth measured in the same run.
+and SmolLM2's D=64 with 3/9. Per (shape, context) it times TVM's tiled kernel and every
+sharded-family kernel set the artifact holds for the shape (the served artifact's `shards`,
+`shards_group` and `subgroup`; a `--set sweep` build adds subgroup kernels of other row lanes and
+unrolls), each over the whole context (S = 1, one dispatch) and split into each S of --splits
+(split kernel + merge, timed together), then `auto`: what model_glue.attention.pick_sharded_variant
+picks on this adapter.
 
-Per row: tiled, sharded, the best split of the sweep (--splits, both split variants), and `auto`:
-what model_glue.attention.pick_sharded_variant picks on this adapter, timed as picked.
+Times are GPU timestamps around each call where the adapter has timestamp-query: the fastest of 3
+medians of --iters calls, each round queued right behind 10 untimed calls, after ~0.2 s of
+streaming reads that bring the clocks up (an H200 idles at 345 MHz). Without timestamps, wall time
+over --iters back-to-back calls in one submit. Before any configuration of a (shape, context) is
+timed, each one's output is checked against a float64 reference of the same inputs (f16 within
+2.5e-4 relative L2, f32 within 1e-5): a wrong configuration is reported as wrong and never timed. KV GB/s counts each KV head's context once (GQA re-reads are cache hits, not
+DRAM traffic); "of stream" divides it by the streaming-read bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
 
 import numpy as np
 
-from app.bench.harness import DecodeCall, random_paged_inputs
+from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
+from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
-from model_glue.attention import AttentionChoice, pick_sharded_variant
-from model_glue.contract import (BENCH_SHAPES, MODEL_CONFIGS, SPLIT_VARIANTS, attention_kernel_name,
-                                 split_merge_kernel_name)
+from model_glue.attention import AttentionChoice, pick_sharded_variant, pick_subgroup_build
+from model_glue.contract import BENCH_SHAPES, MODEL_CONFIGS, attention_kernel_name, merge_kernel_name, subgroup_tag
 from model_glue.webgpu import WgpuDevice
 
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
 STREAM_GROUP_WORDS = 256 * 16
 SHAPES = BENCH_SHAPES + [MODEL_CONFIGS["smollm2_135m"].attention_shape]
+TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
+WARMUP_CALLS = 10
+ROUNDS = 3
 
 
-async def time_dispatches(device, dispatch, iters: int, method: str = "auto") -> tuple[float, str]:
-    """Seconds per call (median of GPU timestamps, or wall-clock mean), and how it was measured."""
+async def time_dispatches(device, dispatch, iters: int, method: str = "auto", rounds: int = ROUNDS) -> tuple[float, str]:
+    """Seconds per call and how it was measured: the fastest of `rounds` medians of GPU timestamps
+    (each round queued right behind WARMUP_CALLS untimed calls, so the GPU never idles between
+    them), or the wall-clock mean of `iters` back-to-back calls."""
     if method == "timestamps" or (method == "auto" and device.has_timestamps):
-        stamps = device.timestamps(2 * iters)
-        batch = device.batch()
-        for i in range(iters):
-            dispatch(batch, (stamps, 2 * i, 2 * i + 1))
-        batch.resolve(stamps)
-        batch.submit()
-        ticks = await stamps.read_ns()
-        durations = [ticks[2 * i + 1] - ticks[2 * i] for i in range(iters)]
-        return statistics.median(durations) * 1e-9, "gpu-timestamps"
+        medians = []
+        for _ in range(rounds):
+            warm = device.batch()
+            for _ in range(WARMUP_CALLS):
+                dispatch(warm, None)
+            warm.submit()  # not waited for: the timed calls queue behind it
+            stamps = device.timestamps(2 * iters)
+            batch = device.batch()
+            for i in range(iters):
+                dispatch(batch, (stamps, 2 * i, 2 * i + 1))
+            batch.resolve(stamps)
+            batch.submit()
+            ticks = await stamps.read_ns()
+            medians.append(statistics.median(ticks[2 * i + 1] - ticks[2 * i] for i in range(iters)))
+        return min(medians) * 1e-9, "gpu-timestamps"
     batch = device.batch()
     for _ in range(iters):
         dispatch(batch, None)
@@ -52,84 +70,192 @@ async def time_dispatches(device, dispatch, iters: int, method: str = "auto") ->
     return (time.perf_counter() - started) / iters, "wall-clock"
 
 
+async def ramp_clocks(device, library, seconds: float = 0.2) -> None:
+    """Keep the GPU streaming memory for about `seconds` (its clocks idle low: an H200 idles at
+    345 MHz and needs sustained work to reach its boost clock)."""
+    kernel = await library.kernel("stream_read")
+    groups = STREAM_WORDS // STREAM_GROUP_WORDS
+    x, partial = device.storage_buffer(STREAM_WORDS * 4), device.storage_buffer(groups * 256 * 4)
+    bound = kernel.bind({"x": x, "partial": partial}, {"num_groups": groups})
+    started, calls = time.perf_counter(), 1
+    while time.perf_counter() - started < seconds:  # batches double: a CPU adapter needs ~0.2 s per call
+        batch = device.batch()
+        for _ in range(calls):
+            bound.dispatch(batch)
+        batch.submit()
+        await device.read(partial, 4)
+        calls = min(2 * calls, 256)
+    bound.release()
+    device.destroy(x)
+    device.destroy(partial)
+
+
+async def dispatch_floor(device, library, iters: int, method: str) -> tuple[float, float]:
+    """Seconds of a timed pass holding one, and two, dispatches of one workgroup that reads 16 KiB:
+    what any decode-attention call costs at least (the split variants make two dispatches)."""
+    kernel = await library.kernel("stream_read")
+    x, partial = device.storage_buffer(STREAM_GROUP_WORDS * 4), device.storage_buffer(256 * 4)
+    bound = kernel.bind({"x": x, "partial": partial}, {"num_groups": 1})
+
+    def twice(batch, timestamps=None):
+        with batch.timed(timestamps) if timestamps is not None else contextlib.nullcontext():
+            bound.dispatch(batch)
+            bound.dispatch(batch)
+
+    one, _ = await time_dispatches(device, bound.dispatch, iters, method)
+    two, _ = await time_dispatches(device, twice, iters, method)
+    bound.release()
+    device.destroy(x)
+    device.destroy(partial)
+    return one, two
+
+
 async def stream_bandwidth(device, library, iters: int, method: str) -> float:
     kernel = await library.kernel("stream_read")
     groups = STREAM_WORDS // STREAM_GROUP_WORDS
     x = device.storage_buffer(STREAM_WORDS * 4)
     partial = device.storage_buffer(groups * 256 * 4)
     bound = kernel.bind({"x": x, "partial": partial}, {"num_groups": groups})
-    await time_dispatches(device, bound.dispatch, 10, method)  # warm-up (clocks ramp up)
+    await ramp_clocks(device, library)
     seconds, _ = await time_dispatches(device, bound.dispatch, iters, method)
     return STREAM_WORDS * 4 / seconds / 1e9
 
 
-async def _kernels(library, variant: str, shape, dtype: str):
-    """The kernel(s) of one variant: one for tiled/sharded, (partial, merge) for a split."""
-    kernel = await library.kernel(attention_kernel_name(variant, shape, dtype, False))
-    if variant in SPLIT_VARIANTS:
-        return (kernel, await library.kernel(split_merge_kernel_name(shape, dtype)))
-    return kernel
+def family_kernel_sets(library, shape, dtype: str, device) -> tuple[dict[str, tuple[str, str]], str | None]:
+    """label -> (whole-context kernel, split kernel) of every sharded-family set for the shape that
+    this device runs: the served variants by name (subgroup builds by their tag, e.g. subgroup_l16s32),
+    and any sweep builds (a name suffix such as _u4_i128); and the label of the subgroup build the
+    runtime would pick (None: none runs here)."""
+    sets, served_builds = {}, {}
+    for name in library.names(kind="decode_attention", nest="sharded", split=False, dtype=dtype, sliding_window=False,
+                              head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads):
+        meta = library.specs[name].meta
+        tag = None
+        if meta["variant"] == "subgroup":
+            build = (meta["row_lanes"], meta["subgroup_size"])
+            if pick_subgroup_build([build], device.subgroup_min_size, device.subgroup_max_size) is None:
+                continue  # this device's subgroups do not fit the build
+            tag = subgroup_tag(*build)
+        base = attention_kernel_name(meta["variant"], shape, dtype, tag=tag)
+        suffix = name[len(base):]
+        split = attention_kernel_name(meta["variant"], shape, dtype, split=True, tag=tag) + suffix
+        if split in library.specs:
+            label = meta["variant"] + (f"_{tag}" if tag else "") + suffix
+            sets[label] = (name, split)
+            if tag and not suffix:
+                served_builds[build] = label
+    build = pick_subgroup_build(served_builds, device.subgroup_min_size, device.subgroup_max_size)
+    return sets, served_builds.get(build)
 
 
 async def run_attention_bench(args) -> dict:
     device = await WgpuDevice.open()
     library = await KernelLibrary.from_folder(device, args.artifact)
     dtype = args.dtype if args.dtype != "auto" else ("float16" if device.has_f16 else "float32")
-    print(f"adapter: {device.adapter_name} ({'CPU' if device.is_cpu else 'GPU'}); dtype {dtype}; timing: "
-          f"{args.timing} (timestamp-query {'available' if device.has_timestamps else 'missing'})", flush=True)
+    print(f"adapter: {device.adapter_name} ({'CPU' if device.is_cpu else 'GPU'}); dtype {dtype}; subgroups: "
+          f"{device.subgroup_min_size or 'no'}-{device.subgroup_max_size or 'no'}; timing: {args.timing} "
+          f"(timestamp-query {'available' if device.has_timestamps else 'missing'})", flush=True)
     stream_gbps = await stream_bandwidth(device, library, args.iters, args.timing)
-    print(f"streaming read: {stream_gbps:.1f} GB/s", flush=True)
-    print(f"{'D':>4} {'H_kv/H_qo':>9} {'context':>7} {'tiled us':>9} {'sharded us':>10} {'best split':>18} "
-          f"{'auto':>16} {'auto us':>9} {'tiled/auto':>10} {'auto GB/s':>9} {'of stream':>9}")
+    floor = await dispatch_floor(device, library, args.iters, args.timing)
+    print(f"streaming read: {stream_gbps:.1f} GB/s; a pass with one tiny dispatch {floor[0] * 1e6:.1f} us, "
+          f"with two {floor[1] * 1e6:.1f} us", flush=True)
+    print(f"{'D':>4} {'H_kv/H_qo':>9} {'context':>7} {'tiled us':>9} {'shards us':>9} {'best':>22} "
+          f"{'auto':>16} {'auto us':>8} {'tiled/auto':>10} {'auto GB/s':>9} {'of stream':>9}")
     rows = []
     rng = np.random.default_rng(0)
     for shape in SHAPES:
         if shape.head_dim not in args.head_dims:
             continue
+        sets, subgroup_label = family_kernel_sets(library, shape, dtype, device)
+        merge = await library.kernel(merge_kernel_name(shape, dtype))
+        if subgroup_label is not None:  # what the runtime runs as "subgroup"
+            sets["subgroup"] = sets[subgroup_label]
         for context in args.contexts:
             inputs = random_paged_inputs(rng, [context], shape.num_kv_heads, shape.num_qo_heads, shape.head_dim)
-            method = "?"
-
-            async def timed(variant: str, splits: int = 1) -> float:
-                nonlocal method
-                call = calls[variant]
-                if variant in SPLIT_VARIANTS:
+            inputs.update(q=as_dtype(inputs["q"], dtype), pages=as_dtype(inputs["pages"], dtype))  # what the kernels read
+            ref_out, _ = decode_attention_f64(inputs)
+            # Every configuration: (label, kernels, S). Each is checked against the reference first
+            # (readbacks leave the GPU idle), then all are timed back to back on ramped-up clocks.
+            configs = [("tiled", await library.kernel(attention_kernel_name("tiled", shape, dtype)), 1)]
+            for label, (whole, split) in sets.items():
+                if label != "subgroup":  # timed under its lanes' label
+                    configs.append((label, await library.kernel(whole), 1))
+                    configs += [(label, (await library.kernel(split), merge), n) for n in args.splits if n > 1]
+            choice: AttentionChoice = pick_sharded_variant([context], shape, is_cpu=device.is_cpu,
+                                                           subgroups=subgroup_label is not None, available=set(sets))
+            auto_label = subgroup_label if choice.variant == "subgroup" else choice.variant
+            if not any(label == auto_label and n == choice.num_splits for label, _, n in configs):  # an S outside --splits
+                whole, split = sets[choice.variant]
+                configs.append((auto_label, (await library.kernel(split), merge) if choice.split
+                                else await library.kernel(whole), choice.num_splits))
+            calls, wrong, good = {}, [], []
+            for label, kernels, splits in configs:
+                key = (label, splits > 1)
+                if key not in calls:
+                    calls[key] = DecodeCall(device, kernels, inputs)
+                if splits > 1:
+                    calls[key].set_splits(splits)
+                out, _ = await calls[key].run()
+                error = relative_l2(out, ref_out)
+                if error <= TOLERANCE[dtype]:
+                    good.append((label, splits))
+                else:
+                    wrong.append(f"{label}:{splits} (rel L2 {error:.2e})")
+            await ramp_clocks(device, library)
+            sweep, method = {}, "?"
+            for label, splits in good:
+                call = calls[label, splits > 1]
+                if splits > 1:
                     call.set_splits(splits)
-                await time_dispatches(device, call.dispatch, 10, args.timing)  # warm-up (clocks ramp up)
-                seconds, method = await time_dispatches(device, call.dispatch, args.iters, args.timing)
-                return seconds
+                sweep[f"{label}:{splits}"], method = await time_dispatches(device, call.dispatch, args.iters, args.timing)
+            for label, _, splits in configs:
+                sweep.setdefault(f"{label}:{splits}", None)  # wrong: not timed
+            for call in calls.values():
+                call.release()
+            t_tiled = sweep.pop("tiled:1")
+            timed_sweep = {k: v for k, v in sweep.items() if v is not None}
+            best = min(timed_sweep, key=timed_sweep.get) if timed_sweep else None
+            t_auto = sweep.get(f"{auto_label}:{choice.num_splits}")
+            kv_bytes = DecodeCall.kv_bytes_of(inputs, shape.head_dim, 2 if dtype == "float16" else 4)
 
-            calls = {v: DecodeCall(device, await _kernels(library, v, shape, dtype), inputs)
-                     for v in ("tiled", "sharded") + SPLIT_VARIANTS}
-            t_tiled, t_sharded = await timed("tiled"), await timed("sharded")
-            sweep = {f"{v}:{s}": await timed(v, s) for v in SPLIT_VARIANTS for s in args.splits}
-            best = min(sweep, key=sweep.get)
-            choice: AttentionChoice = pick_sharded_variant([context], shape, is_cpu=device.is_cpu)
-            t_auto = await timed(choice.variant, choice.num_splits)
-            kv_bytes = calls["sharded"].kv_bytes
+            def us(seconds):
+                return None if seconds is None else round(seconds * 1e6, 2)
+
+            def ratio(a, b):
+                return None if a is None or b is None else round(a / b, 3)
+
             row = {
                 "head_dim": shape.head_dim, "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
                 "context": context, "dtype": dtype, "timing": method,
-                "tiled_us": round(t_tiled * 1e6, 2), "sharded_us": round(t_sharded * 1e6, 2),
-                "best_split": best, "best_split_us": round(sweep[best] * 1e6, 2),
-                "auto": str(choice), "auto_variant": choice.variant, "auto_splits": choice.num_splits,
-                "auto_us": round(t_auto * 1e6, 2), "tiled_over_auto": round(t_tiled / t_auto, 3),
-                "sharded_over_auto": round(t_sharded / t_auto, 3),
-                "auto_gbps": round(kv_bytes / t_auto / 1e9, 2),
-                "auto_of_stream": round(kv_bytes / t_auto / 1e9 / stream_gbps, 4),
-                "tiled_gbps": round(kv_bytes / t_tiled / 1e9, 3), "sharded_gbps": round(kv_bytes / t_sharded / 1e9, 3),
-                "sweep_us": {k: round(v * 1e6, 2) for k, v in sweep.items()},
+                "tiled_us": us(t_tiled), "shards_us": us(sweep.get("shards:1")),
+                "best": best, "best_us": us(timed_sweep.get(best)),
+                "auto": str(choice), "auto_kernels": auto_label, "auto_splits": choice.num_splits,
+                "auto_us": us(t_auto), "tiled_over_auto": ratio(t_tiled, t_auto),
+                "shards_over_auto": ratio(sweep.get("shards:1"), t_auto),
+                "auto_gbps": None if t_auto is None else round(kv_bytes / t_auto / 1e9, 2),
+                "auto_of_stream": None if t_auto is None else round(kv_bytes / t_auto / 1e9 / stream_gbps, 4),
+                "tiled_gbps": None if t_tiled is None else round(kv_bytes / t_tiled / 1e9, 3),
+                "sweep_us": {k: us(v) for k, v in sweep.items()}, "wrong": wrong,
             }
             rows.append(row)
+
+            def show(value, width, digits=1):
+                return f"{'wrong' if value is None else f'{value:.{digits}f}':>{width}}"
+
             print(f"{shape.head_dim:>4} {f'{shape.num_kv_heads}/{shape.num_qo_heads}':>9} {context:>7} "
-                  f"{row['tiled_us']:>9.1f} {row['sharded_us']:>10.1f} "
-                  f"{f'{best} {row['best_split_us']:.1f}':>18} {str(choice):>16} {row['auto_us']:>9.1f} "
-                  f"{row['tiled_over_auto']:>10.2f} {row['auto_gbps']:>9.1f} {100 * row['auto_of_stream']:>8.1f}%",
-                  flush=True)
+                  f"{show(row['tiled_us'], 9)} {show(row['shards_us'], 9)} "
+                  f"{f'{best} {row['best_us']:.1f}' if best else 'none':>22} {str(choice):>16} {show(row['auto_us'], 8)} "
+                  f"{show(row['tiled_over_auto'], 10, 2)} {show(row['auto_gbps'], 9)} "
+                  f"{show(None if row['auto_of_stream'] is None else 100 * row['auto_of_stream'], 8)}%", flush=True)
+            if wrong:
+                print(f"      WRONG (not timed): {', '.join(wrong)}", flush=True)
             if args.show_sweep:
-                print("      sweep (us): " + "  ".join(f"{k} {v * 1e6:.1f}" for k, v in sweep.items()), flush=True)
-    result = {"adapter": device.adapter_name, "is_cpu": device.is_cpu, "stream_gbps": round(stream_gbps, 1),
-              "rows": rows}
+                print("      sweep (us): " + "  ".join(f"{k} {'wrong' if v is None else f'{v * 1e6:.1f}'}"
+                                                      for k, v in sweep.items()), flush=True)
+    result = {"adapter": device.adapter_name, "is_cpu": device.is_cpu, "subgroup_min_size": device.subgroup_min_size,
+              "subgroup_max_size": device.subgroup_max_size,
+              "stream_gbps": round(stream_gbps, 1), "one_dispatch_us": round(floor[0] * 1e6, 2),
+              "two_dispatches_us": round(floor[1] * 1e6, 2), "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

@@ -1,5 +1,5 @@
 """`python -m app bench decode`: prefill and decode throughput of the whole model: auto, auto with the
-sharded family held to the unsplit sharded nest, and tiled forced.
+sharded family held to the seed's layout over the whole context ("shards", S = 1), and tiled forced.
 
 For each context C: the model is reset and `generate` runs a C-token prompt: the prefill (tokens/s),
 then --steps pipelined greedy decode steps (tokens/s from their wall time; per step the host's
@@ -40,14 +40,14 @@ async def run_decode_bench(args) -> dict:
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
-    # auto; auto with the sharded family held to the unsplit sharded nest; tiled forced; with --sample
-    # also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
-    modes = [("auto", None), ("auto", "sharded"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
+    # auto; auto with the sharded family held to the seed's layout over the whole context; tiled forced;
+    # with --sample also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
+    modes = [("auto", None), ("auto", "shards"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers.
     for attention, override in modes:
         model.reset()
-        model.sharded_override = None if override == "sample" else override
+        await model.force_variant(None if override == "sample" else override)
         await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)], max_new_tokens=4,
                        attention=attention, sampling=sampled if override == "sample" else GREEDY)
     rows = []
@@ -55,7 +55,7 @@ async def run_decode_bench(args) -> dict:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
         for attention, override in modes:
             label = attention if override is None else f"{attention}:{override}"
-            model.sharded_override = None if override == "sample" else override
+            await model.force_variant(None if override == "sample" else override)
             model.reset()
             # generate's own loop (prefill in chunks, then pipelined decode steps), no stop token
             run = await generate(model, prompt, max_new_tokens=args.steps + 1, attention=attention,
@@ -89,7 +89,7 @@ async def run_decode_bench(args) -> dict:
                   f"{step_ms:>8.2f} {encode_ms:>9.3f} {ms(gpu_ms, 3):>7} {ms(attn_ms, 3):>8} "
                   f"{','.join(map(str, row['dispatches'])):>10} {','.join(row['nests']):>16} "
                   f"{ms(prefill_gpu, 1):>9}/{ms(prefill_attn, 1):<9}", flush=True)
-    model.sharded_override = None
+    await model.force_variant(None)
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -57,7 +57,13 @@ class DecodeCall:
             workspace=workspace, num_splits=num_splits)
         self.values = values
         self.bound = [k.bind(b, v) for k, b, v in attention_dispatches(kernels, self.buffers, values)]
-        self.kv_bytes = _kv_bytes_read(inputs, num_qo_heads, head_dim, q.itemsize)
+        self.kv_bytes = self.kv_bytes_of(inputs, head_dim, q.itemsize)
+
+    @staticmethod
+    def kv_bytes_of(inputs, head_dim: int, itemsize: int) -> int:
+        """Bytes of K and V one call must read at least once: every KV head over its context."""
+        num_kv_heads = inputs["pages"].shape[2]
+        return sum(int(n) for n in inputs["kv_lens"]) * num_kv_heads * head_dim * 2 * itemsize
 
     def set_splits(self, num_splits: int) -> None:
         if not 1 <= num_splits <= MAX_SPLITS:
@@ -94,13 +100,6 @@ class DecodeCall:
         lse = await self.device.read(self.buffers["lse"], self.out_shape[0] * self.out_shape[1] * 4)
         return (np.frombuffer(out, self.out_dtype).reshape(self.out_shape),
                 np.frombuffer(lse, np.float32).reshape(self.out_shape[:2]))
-
-
-def _kv_bytes_read(inputs, num_qo_heads, head_dim, itemsize) -> int:
-    """Bytes of K and V one call must read at least once: every KV head over its context."""
-    num_kv_heads = inputs["pages"].shape[2]
-    tokens = sum(int(n) for n in inputs["kv_lens"])
-    return tokens * num_kv_heads * head_dim * 2 * itemsize
 
 
 def random_paged_inputs(rng, context_lens, num_kv_heads, num_qo_heads, head_dim, page_size=PAGE_SIZE):
