@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from kernels.paged_kv import (LOG2_E, MASKED_SCORE, VEC, kv_len_of, lane_sum, partner_chunk, pow2_floor, rope4,
+from kernels.paged_kv import (LOG2_E, MASKED_SCORE, VEC, kv_len_of, lane_sum, partner_chunk, pow2_floor, rope_rotate,
                               seq_offset_of)
 from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
 from model_glue.contract import PAGE_SIZE
@@ -162,6 +162,8 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                 q_local = T.sblock_alloc_buffer((LANE_CHUNKS,), "float32x4", scope="local")
                                 o_local = T.sblock_alloc_buffer((LANE_CHUNKS,), "float32x4", scope="local")
                                 dot = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
+                                rot = T.sblock_alloc_buffer((2,), "float32x4", scope="local")  # RoPE's cos, sin
+                                rotated = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
                                 state = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, M, d_total
                                 acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
                                 acc4 = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
@@ -195,8 +197,9 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                     o_local[c] = T.Broadcast(T.float32(0), VEC)
                                 if rotary_mode == 1:
                                     for c in T.unroll(LANE_CHUNKS):
-                                        q_local[c] = rope4(q_local[c], T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c, D)]),
-                                                           q_pos, chunk0 + c, D, rope_scale, rope_theta)
+                                        rope_rotate(rotated, q_local[c], T.Cast("float32x4", Q[b, h, partner_chunk(chunk0 + c, D)]),
+                                                    q_pos, chunk0 + c, D, rope_scale, rope_theta, rot)
+                                        q_local[c] = rotated[0]
                                 for c in T.unroll(LANE_CHUNKS):
                                     q_local[c] = q_local[c] * T.Broadcast(sm_scale * T.float32(LOG2_E), VEC)
                                 state[0] = T.float32(MASKED_SCORE)
@@ -220,10 +223,10 @@ def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, slidin
                                         if in_range:
                                             if rotary_mode == 1:
                                                 for c in T.unroll(LANE_CHUNKS):
-                                                    dot[0] = dot[0] + q_local[c] * rope4(
-                                                        T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
-                                                        T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c, D)]),
-                                                        k_pos, chunk0 + c, D, rope_scale, rope_theta)
+                                                    rope_rotate(rotated, T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c]),
+                                                                T.Cast("float32x4", pages[page, 0, kv_head, slot, partner_chunk(chunk0 + c, D)]),
+                                                                k_pos, chunk0 + c, D, rope_scale, rope_theta, rot)
+                                                    dot[0] = dot[0] + q_local[c] * rotated[0]
                                             else:
                                                 for c in T.unroll(LANE_CHUNKS):
                                                     dot[0] = dot[0] + q_local[c] * T.Cast("float32x4", pages[page, 0, kv_head, slot, chunk0 + c])

@@ -42,7 +42,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from kernels.paged_kv import (LOG2_E, MASKED_ROW, MASKED_SCORE, VEC, broadcast, kv_len_of, lane_of, pow2_floor,
-                              rope_angle4, seq_offset_of)
+                              rope_cos_sin, seq_offset_of)
 from model_glue.contract import MAX_INVOCATIONS
 from model_glue.contract import PAGE_SIZE
 
@@ -149,9 +149,7 @@ def decode_attention_subgroup(num_kv_heads, num_qo_heads, head_dim, dtype, slidi
     @T.macro
     def rotate_pair(x, c, rot, pos, chunk, rope_scale, rope_theta):
         """RoPE on x[c] and its partner x[c + HALF_CHUNKS] (dims d and d + D/2), in place."""
-        rot[0] = rope_angle4(pos, chunk, D, rope_scale, rope_theta)
-        rot[1] = T.sin(rot[0])
-        rot[0] = T.cos(rot[0])
+        rope_cos_sin(rot, pos, chunk, D, rope_scale, rope_theta)
         rot[2] = x[c] * rot[0] - x[c + HALF_CHUNKS] * rot[1]
         x[c + HALF_CHUNKS] = x[c + HALF_CHUNKS] * rot[0] + x[c] * rot[1]
         x[c] = rot[2]

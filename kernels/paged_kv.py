@@ -48,27 +48,32 @@ def seq_offset_of(pos, b, length_info, sliding_window: bool):
     return pos
 
 
-def rope_angle4(pos, chunk, head_dim: int, rope_scale, rope_theta):
-    """The RoPE angles of the 4 dims of vector `chunk` at position `pos`, reduced to [-pi, pi].
+@T.macro
+def rope_cos_sin(rot, pos, chunk, head_dim: int, rope_scale, rope_theta):
+    """rot[0], rot[1] = cos and sin (f32x4) of the RoPE angles of the 4 dims of vector `chunk` at `pos`.
 
     TVM's rotate-half convention: dims d and d + D/2 share frequency theta^(-2 (d mod D/2) / D).
     WGSL's sin/cos are only accurate near [-pi, pi], and angles reach pos radians, so the angle is
     reduced by Cody-Waite with a two-part 2 pi; what remains is the f32 rounding of the angle itself.
+    Written as statements on `rot` so that the WGSL stays small (TVM's CSE is off for the build).
     """
-    half_chunks = head_dim // 2 // VEC
-    freq_dim = T.Ramp(T.floormod(chunk, half_chunks) * VEC, 1, VEC)
-    inv_freq = T.exp2(T.Cast("float32x4", 2 * freq_dim) * (-T.log2(rope_theta) / T.float32(head_dim)))
-    angle = T.Broadcast(T.Cast("float32", pos) * rope_scale, VEC) * inv_freq
-    turns = T.round(angle * T.Broadcast(T.float32(1 / (2 * math.pi)), VEC))
-    return (angle - turns * T.Broadcast(T.float32(TWO_PI_HI), VEC)) - turns * T.Broadcast(T.float32(TWO_PI_LO), VEC)
+    rot[1] = T.Broadcast(T.Cast("float32", pos) * rope_scale, VEC) * T.exp2(
+        T.Cast("float32x4", 2 * T.Ramp(T.floormod(chunk, head_dim // 2 // VEC) * VEC, 1, VEC))
+        * (-T.log2(rope_theta) / T.float32(head_dim)))
+    rot[0] = T.round(rot[1] * T.Broadcast(T.float32(1 / (2 * math.pi)), VEC))  # whole turns
+    rot[1] = (rot[1] - rot[0] * T.Broadcast(T.float32(TWO_PI_HI), VEC)) - rot[0] * T.Broadcast(T.float32(TWO_PI_LO), VEC)
+    rot[0] = T.cos(rot[1])
+    rot[1] = T.sin(rot[1])
 
 
-def rope4(x4, partner4, pos, chunk, head_dim: int, rope_scale, rope_theta):
-    """4 dims of vector `chunk` rotated at `pos` (f32x4). `partner4` holds dims d + D/2 (first half)
-    or d - D/2 (second half); a chunk never straddles D/2, so the rotation's sign is one scalar."""
-    angle = rope_angle4(pos, chunk, head_dim, rope_scale, rope_theta)
-    sign = T.if_then_else(chunk < head_dim // 2 // VEC, T.float32(-1), T.float32(1))
-    return x4 * T.cos(angle) + T.Broadcast(sign, VEC) * partner4 * T.sin(angle)
+@T.macro
+def rope_rotate(dst, x4, partner4, pos, chunk, head_dim: int, rope_scale, rope_theta, rot):
+    """dst[0] = the 4 dims of vector `chunk` rotated at `pos` (f32x4). `partner4` holds dims d + D/2
+    (first half) or d - D/2 (second half); a chunk never straddles D/2, so the rotation's sign is one
+    scalar. `rot` is 2 x f32x4 of local scratch (rope_cos_sin)."""
+    rope_cos_sin(rot, pos, chunk, head_dim, rope_scale, rope_theta)
+    dst[0] = x4 * rot[0] + T.Broadcast(T.if_then_else(chunk < head_dim // 2 // VEC, T.float32(-1), T.float32(1)),
+                                       VEC) * partner4 * rot[1]
 
 
 def partner_chunk(chunk, head_dim: int):
