@@ -103,9 +103,17 @@ def server():
 
 from app.bench.page import CHROMIUM_FLAGS  # noqa: E402 (Debian's chromium, headless, WebGPU on)
 
+# Dawn zero-fills every workgroup's `var<workgroup>` arrays before the shader runs. On SwiftShader
+# that costs milliseconds per 256-invocation workgroup (22 dispatches of 64 such workgroups with
+# 16 KiB: 4.3 s with it, 0.14 s without), and it made a tiny_chat decode step take ~2 s instead
+# of ~0.5 s. No kernel here reads workgroup memory it has not written (the kernel tests compare
+# against f64 references with it on too: test_browser.py runs Chromium as users do), so the
+# chat-level modules turn it off to keep the suite's time within budget.
+FAST_SWIFTSHADER_FLAGS = ["--enable-dawn-features=disable_workgroup_init"]
+
 
 @contextlib.contextmanager
-def chromium(profile_dir):
+def chromium(profile_dir, extra_flags=()):
     """Debian's chromium (never a Playwright download), a fresh profile, WebGPU on SwiftShader."""
     path = shutil.which("chromium") or "/usr/bin/chromium"
     if not Path(path).exists():
@@ -114,7 +122,7 @@ def chromium(profile_dir):
 
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(str(profile_dir), executable_path=path, headless=True,
-                                                        args=CHROMIUM_FLAGS)
+                                                        args=CHROMIUM_FLAGS + list(extra_flags))
         yield context
         context.close()
 
@@ -122,8 +130,9 @@ def chromium(profile_dir):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """One Chromium per test module: a module's GPU state (hundreds of compiled pipelines, a
-    deliberately broken shader) never reaches the next module's pages."""
-    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+    deliberately broken shader) never reaches the next module's pages. Workgroup zero-fill off
+    (FAST_SWIFTSHADER_FLAGS); test_browser.py overrides this fixture to run Chromium's defaults."""
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), FAST_SWIFTSHADER_FLAGS) as context:
         yield context
 
 
@@ -131,7 +140,7 @@ def browser(tmp_path_factory):
 def fresh_browser(tmp_path_factory):
     """A Chromium of its own, for a test that breaks the page on purpose (a shader that does not
     compile once left SwiftShader's renderer crashing on the next page load)."""
-    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), FAST_SWIFTSHADER_FLAGS) as context:
         yield context
 
 

@@ -19,14 +19,17 @@ import pytest
 
 from app.bench.harness import DecodeCall
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2, wgsl_block
-from kernels.catalog import TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, shards_group_fits
+from kernels.catalog import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, TEST_WINDOW_SHAPES,
+                             grid_shape, shards_group_fits, subgroup_builds_for_tests)
 from kernels.paged_kv import MASKED_SCORE
 from model_glue.attention import (TILED_MAX_CONTEXT, AttentionChoice, context_length, pick_decode_nest,
                                   pick_sharded_variant, pick_subgroup_build, split_workspace_bytes, tiled_defect)
 from model_glue.contract import (MAX_SPLITS, SHARDED_VARIANTS, AttentionShape, attention_kernel_name,
                                  merge_kernel_name, subgroup_tag)
 
-CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 3060]
+CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 2000]
+# The grid's f32 shape of each head_dim: the RoPE, empty-sequence and unused-slot tests reuse its kernels.
+F32_SHAPE = {d: grid_shape(d, g) for d, g, dtype in TEST_FAMILY_GRID if dtype == "float32"}
 TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
 # Inline RoPE at positions up to ~3600 in f32: the angle pos*inv_freq carries ~pos*2^-24 rad of
 # rounding (TVM computes it the same way), which alone moves f32 outputs by ~5e-5.
@@ -79,7 +82,14 @@ def skip_without_subgroups(gpu, kernel_set):
 
 def family_sets(shape: AttentionShape) -> list[str]:
     """The kernel sets the test artifact has for a shape (shards_group only where the group fits)."""
-    return [v for v in FAMILY_SETS if v != "shards_group" or (shape.group > 1 and shards_group_fits(shape))]
+    builds = [f"subgroup-{subgroup_tag(*build)}" for build in subgroup_builds_for_tests(shape)]
+    return [v for v in FAMILY_SETS if (v != "shards_group" or (shape.group > 1 and shards_group_fits(shape)))
+            and (not v.startswith("subgroup") or v in builds)]
+
+
+def skip_unbuilt(kernel_set, shape):
+    if kernel_set not in family_sets(shape):
+        pytest.skip(f"the test artifact has no {kernel_set} kernels for head_dim {shape.head_dim}, group {shape.group}")
 
 
 class Family:
@@ -122,9 +132,9 @@ class Family:
 
 
 # -- the sharded family against the f64 reference ------------------------------------------------------
-FAMILY_CASES = [(d, g, dtype, variant, splits) for (d, g, dtype), splits in
-                zip(TEST_FAMILY_GRID, [SPLIT_ROTATION[i % len(SPLIT_ROTATION)] for i in range(len(TEST_FAMILY_GRID))])
-                for variant in family_sets(AttentionShape(1, g, d))]
+FAMILY_CASES = [(d, g, dtype, variant, SPLIT_ROTATION[(i + j) % len(SPLIT_ROTATION)])
+                for i, (d, g, dtype) in enumerate(TEST_FAMILY_GRID)
+                for j, variant in enumerate(family_sets(AttentionShape(1, g, d)))]
 
 
 @pytest.mark.parametrize("head_dim,group,dtype,variant,splits", FAMILY_CASES,
@@ -133,10 +143,9 @@ def test_family_matches_f64_reference(loop, gpu, test_library, head_dim, group, 
     """Every context of the grid in one batch (shuffled pages), whole and split."""
     skip_without_f16(gpu, dtype)
     skip_without_subgroups(gpu, variant)
-    kv_heads = 2 if group == 1 else 1
-    shape = AttentionShape(kv_heads, kv_heads * group, head_dim)
+    shape = grid_shape(head_dim, group)
     rng = np.random.default_rng(head_dim * 100 + group * 10 + len(dtype))
-    inputs = make_paged_inputs(rng, CONTEXTS, kv_heads, kv_heads * group, head_dim, dtype)
+    inputs = make_paged_inputs(rng, CONTEXTS, shape.num_kv_heads, shape.num_qo_heads, head_dim, dtype)
     Family(loop, gpu, test_library, variant, shape, dtype).check(inputs, dtype, splits)
 
 
@@ -145,9 +154,10 @@ def test_family_matches_f64_reference(loop, gpu, test_library, head_dim, group, 
 def test_family_with_inline_rope(loop, gpu, test_library, head_dim, variant):
     """A batch of 3 mixed lengths, inline RoPE (rotate-half, as TVM defines it) at random offsets, f32."""
     skip_without_subgroups(gpu, variant)
-    dtype, shape = "float32", AttentionShape(1, 4, head_dim)
-    inputs = make_paged_inputs(np.random.default_rng(head_dim), [3060, 17, 300], 1, 4, head_dim, dtype,
-                               rope_offset_range=500)
+    dtype, shape = "float32", F32_SHAPE[head_dim]
+    skip_unbuilt(variant, shape)
+    inputs = make_paged_inputs(np.random.default_rng(head_dim), [2000, 17, 300], shape.num_kv_heads, shape.num_qo_heads,
+                               head_dim, dtype, rope_offset_range=500)
     Family(loop, gpu, test_library, variant, shape, dtype).check(
         inputs, dtype, [6], ROPE_F32_TOLERANCE, rotary_mode=1, rope_scale=1.0, rope_theta=1e4)
 
@@ -160,9 +170,9 @@ def test_rope_far_from_zero_costs_no_more_than_its_angle(loop, gpu, test_library
     little on top of that floor (without the reduction they tripled it)."""
     skip_without_subgroups(gpu, variant)
     dtype, head_dim, theta = "float32", 64, 1e4
-    shape = AttentionShape(1, 4, head_dim)
+    shape = F32_SHAPE[head_dim]
     rng = np.random.default_rng(11)
-    inputs = make_paged_inputs(rng, [400, 257], 1, 4, head_dim, dtype)
+    inputs = make_paged_inputs(rng, [400, 257], shape.num_kv_heads, shape.num_qo_heads, head_dim, dtype)
     inputs["k_rope_pos_offset"] = np.array([49_000, 50_500], np.int32)
     inputs["q_rope_position"] = inputs["k_rope_pos_offset"] + np.array(inputs["kv_lens"], np.int32) - 1
     rope = {"rotary_mode": 1, "rope_scale": 1.0, "rope_theta": theta}
@@ -197,14 +207,15 @@ def reference_with_f32_angles(inputs, theta):
 
 
 @pytest.mark.parametrize("variant", FAMILY_SETS)
-@pytest.mark.parametrize("head_dim,dtype", [(64, "float32"), (256, "float16")])
-def test_family_with_sliding_window(loop, gpu, test_library, variant, head_dim, dtype):
+@pytest.mark.parametrize("shape,dtype", TEST_WINDOW_SHAPES, ids=lambda v: v if isinstance(v, str) else f"d{v.head_dim}")
+def test_family_with_sliding_window(loop, gpu, test_library, variant, shape, dtype):
     """[3, B] length_info (last page length, window offset, sink): splits cut the attended rows."""
     skip_without_f16(gpu, dtype)
     skip_without_subgroups(gpu, variant)
-    shape = AttentionShape(1, 4, head_dim)
+    skip_unbuilt(variant, shape)
+    head_dim = shape.head_dim
     for seed, window in enumerate(({"window": 64, "sink": 4}, {"window": 300, "sink": 0})):
-        inputs = make_paged_inputs(np.random.default_rng(head_dim + seed), [40, 70, 1000, 3060], 1, 4, head_dim,
+        inputs = make_paged_inputs(np.random.default_rng(head_dim + seed), [40, 70, 1000, 2000], 1, 4, head_dim,
                                    dtype, sliding_window=window, fill_unused=1e4)  # stray reads would blow up
         Family(loop, gpu, test_library, variant, shape, dtype, sliding_window=True).check(
             inputs, dtype, [3, 40] if seed else [2, 5])
@@ -215,8 +226,9 @@ def test_empty_and_one_token_sequences(loop, gpu, test_library, variant):
     """Sequences without pages give output 0 and lse exactly -5e4 (the merge's neutral state) for
     every S; one-token sequences have every split but the first empty."""
     skip_without_subgroups(gpu, variant)
-    dtype, shape = "float32", AttentionShape(1, 4, 128)
-    inputs = make_paged_inputs(np.random.default_rng(5), [0, 1, 0, 1, 33, 0], 1, 4, 128, dtype, fill_unused=1e4)
+    dtype, shape = "float32", F32_SHAPE[128]
+    inputs = make_paged_inputs(np.random.default_rng(5), [0, 1, 0, 1, 33, 0], shape.num_kv_heads, shape.num_qo_heads,
+                               128, dtype, fill_unused=1e4)
     empty = [b for b, n in enumerate(inputs["kv_lens"]) if n == 0]
     for label, out, lse in Family(loop, gpu, test_library, variant, shape, dtype).check(inputs, dtype, [1, 3, 64]):
         assert np.all(out[empty] == 0) and np.all(lse[empty] == MASKED_SCORE), f"{variant} {label}"
@@ -226,8 +238,8 @@ def test_empty_and_one_token_sequences(loop, gpu, test_library, variant):
 def test_all_sequences_empty(loop, gpu, test_library, variant):
     """No sequence has a page (page_table_values gets one unused entry: WebGPU has no empty buffers)."""
     skip_without_subgroups(gpu, variant)
-    dtype, shape = "float32", AttentionShape(1, 3, 64)
-    inputs = make_paged_inputs(np.random.default_rng(6), [0, 0], 1, 3, 64, dtype)
+    dtype, shape = "float32", F32_SHAPE[64]
+    inputs = make_paged_inputs(np.random.default_rng(6), [0, 0], shape.num_kv_heads, shape.num_qo_heads, 64, dtype)
     for label, out, lse in Family(loop, gpu, test_library, variant, shape, dtype).run(inputs, [1, 4]):
         assert np.all(out == 0) and np.all(lse == MASKED_SCORE), f"{variant} {label}"
 
@@ -237,8 +249,9 @@ def test_unused_slots_are_never_read(loop, gpu, test_library, variant):
     """Poison every slot outside the contexts; splits ending inside a page must stop there. S goes
     down as well as up: the workspace keeps stale partials of a larger S, which must not be read."""
     skip_without_subgroups(gpu, variant)
-    dtype, shape = "float32", AttentionShape(1, 4, 128)
-    inputs = make_paged_inputs(np.random.default_rng(7), [257, 33, 1], 1, 4, 128, dtype, fill_unused=1e4)
+    dtype, shape = "float32", F32_SHAPE[128]
+    inputs = make_paged_inputs(np.random.default_rng(7), [257, 33, 1], shape.num_kv_heads, shape.num_qo_heads, 128,
+                               dtype, fill_unused=1e4)
     Family(loop, gpu, test_library, variant, shape, dtype).check(inputs, dtype, [17, 2, 5, 1])
 
 
@@ -270,8 +283,8 @@ def test_tiled_matches_f64_reference(loop, gpu, test_library, shape, dtype):
 
 def test_tiled_with_inline_rope_and_window(loop, gpu, test_library):
     """TVM's kernel with RoPE inline (f32) and with a sliding window, as the family's tests."""
-    shape = AttentionShape(1, 4, 128)
-    inputs = make_paged_inputs(np.random.default_rng(3), [3060, 17, 300], 1, 4, 128, "float32", rope_offset_range=500)
+    shape = next(s for s, dtype in TEST_TILED_GRID if s.head_dim == 128 and s.group == 4 and dtype == "float32")
+    inputs = make_paged_inputs(np.random.default_rng(3), [2000, 17, 300], 1, 4, 128, "float32", rope_offset_range=500)
     rope = {"rotary_mode": 1, "rope_scale": 1.0, "rope_theta": 1e4}
     kernel = loop.run_until_complete(test_library.kernel(attention_kernel_name("tiled", shape, "float32")))
     out, lse = loop.run_until_complete(DecodeCall(gpu, kernel, inputs, **rope).run())
@@ -291,7 +304,7 @@ def test_empty_sequence_lse_of_each_nest(loop, gpu, test_library):
     kernel, which the reference mirrors, gives -5e4). Both are neutral: exp2(lse - m) underflows
     to 0 for any real m. The host never merges tiled results, so the difference is harmless; this
     test pins it down so that a change in TVM shows."""
-    shape = AttentionShape(1, 4, 64)
+    shape = next(s for s, dtype in TEST_TILED_GRID if s.head_dim == 64 and s.group == 4 and dtype == "float32")
     inputs = make_paged_inputs(np.random.default_rng(8), [0, 5], 1, 4, 64, "float32")
     kernel = loop.run_until_complete(test_library.kernel(attention_kernel_name("tiled", shape, "float32")))
     out, lse = loop.run_until_complete(DecodeCall(gpu, kernel, inputs).run())
