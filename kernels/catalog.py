@@ -195,10 +195,16 @@ def sweep_recipes() -> list[KernelRecipe]:
 # per head_dim (head_dim 256 f16 through the window test), head vectors of 1, 2, 3 and 8 heads, two
 # results per thread (head_dim 256 with 8 heads), the exact build's shuffle pre-merge.
 TEST_SUBGROUP_BUILDS = ((8, None), (4, 8))
-TEST_FAMILY_GRID = [(64, 1, "float16"), (64, 3, "float32"), (128, 2, "float32"), (128, 8, "float16"),
-                    (256, 8, "float32")]
+# The shards layouts (the fallback without subgroups) compile slowest, so they run on fewer shapes:
+# both row paths (head_dim 64: a lane per dim; 128 and 256: dims split over threadIdx.y), both
+# dtypes, groups 3 and 8, a window at head_dim 64 (shards_group) and 256 (shards, f16).
+ALL_LAYOUTS = ("shards", "shards_group", "subgroup")
+TEST_FAMILY_GRID = [(64, 1, "float16", ("subgroup",)), (64, 3, "float32", ALL_LAYOUTS),
+                    (128, 2, "float16", ("subgroup",)), (128, 8, "float32", ALL_LAYOUTS),
+                    (256, 8, "float32", ("shards", "subgroup"))]
 TEST_TILED_GRID = [(shape, DTYPES[i % 2]) for i, shape in enumerate(TEST_SHAPES)]  # both dtypes per head_dim
-TEST_WINDOW_SHAPES = [(AttentionShape(1, 4, 64), "float32"), (AttentionShape(1, 4, 256), "float16")]
+TEST_WINDOW_SHAPES = [(AttentionShape(1, 4, 64), "float32", ("shards_group", "subgroup")),
+                      (AttentionShape(1, 4, 256), "float16", ("shards", "subgroup"))]
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -226,11 +232,11 @@ def test_recipes() -> list[KernelRecipe]:
                                      "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
                                      "head_dim": shape.head_dim, "dtype": dtype, "sliding_window": False},
                                     TILED_WORKGROUP_STORAGE_BYTES, ATTENTION_BUFFERS))
-    cases = [(grid_shape(d, g), dtype, False) for d, g, dtype in TEST_FAMILY_GRID] + [
-        (shape, dtype, True) for shape, dtype in TEST_WINDOW_SHAPES]
-    for shape, dtype, window in cases:
+    cases = [(grid_shape(d, g), dtype, False, layouts) for d, g, dtype, layouts in TEST_FAMILY_GRID] + [
+        (shape, dtype, True, layouts) for shape, dtype, layouts in TEST_WINDOW_SHAPES]
+    for shape, dtype, window, layouts in cases:
         recipes += [r for r in attention_recipes(shape, dtype, window, builds=subgroup_builds_for_tests(shape))
-                    if r.meta.get("variant") != "shards_group" or shape.group > 1]
+                    if r.meta.get("variant", "merge") in layouts + ("tiled", "merge")]
     shape = AttentionShape(1, 4, 128)  # TVM's kernel with a window (test_tiled_with_inline_rope_and_window)
     recipes.append(KernelRecipe(attention_kernel_name("tiled", shape, "float32", True), "tiled",
                                 (1, 4, 128, "float32", True), {"kind": "decode_attention", "nest": "tiled",

@@ -29,7 +29,7 @@ from model_glue.contract import (MAX_SPLITS, SHARDED_VARIANTS, AttentionShape, a
 
 CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 2000]
 # The grid's f32 shape of each head_dim: the RoPE, empty-sequence and unused-slot tests reuse its kernels.
-F32_SHAPE = {d: grid_shape(d, g) for d, g, dtype in TEST_FAMILY_GRID if dtype == "float32"}
+F32_SHAPE = {d: grid_shape(d, g) for d, g, dtype, _ in TEST_FAMILY_GRID if dtype == "float32"}
 TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
 # Inline RoPE at positions up to ~3600 in f32: the angle pos*inv_freq carries ~pos*2^-24 rad of
 # rounding (TVM computes it the same way), which alone moves f32 outputs by ~5e-5.
@@ -80,16 +80,11 @@ def skip_without_subgroups(gpu, kernel_set):
             pytest.skip(f"{kernel_set} needs subgroups of {f'exactly {exact}' if exact else f'at least {lanes}'}")
 
 
-def family_sets(shape: AttentionShape) -> list[str]:
-    """The kernel sets the test artifact has for a shape (shards_group only where the group fits)."""
+def family_sets(shape: AttentionShape, layouts) -> list[str]:
+    """The kernel sets the test artifact has for a shape built with `layouts` (kernels.catalog)."""
     builds = [f"subgroup-{subgroup_tag(*build)}" for build in subgroup_builds_for_tests(shape)]
-    return [v for v in FAMILY_SETS if (v != "shards_group" or (shape.group > 1 and shards_group_fits(shape)))
-            and (not v.startswith("subgroup") or v in builds)]
-
-
-def skip_unbuilt(kernel_set, shape):
-    if kernel_set not in family_sets(shape):
-        pytest.skip(f"the test artifact has no {kernel_set} kernels for head_dim {shape.head_dim}, group {shape.group}")
+    return [v for v in FAMILY_SETS if v.partition("-")[0] in layouts and (not v.startswith("subgroup") or v in builds)
+            and (v != "shards_group" or shards_group_fits(shape))]
 
 
 class Family:
@@ -133,8 +128,9 @@ class Family:
 
 # -- the sharded family against the f64 reference ------------------------------------------------------
 FAMILY_CASES = [(d, g, dtype, variant, SPLIT_ROTATION[(i + j) % len(SPLIT_ROTATION)])
-                for i, (d, g, dtype) in enumerate(TEST_FAMILY_GRID)
-                for j, variant in enumerate(family_sets(AttentionShape(1, g, d)))]
+                for i, (d, g, dtype, layouts) in enumerate(TEST_FAMILY_GRID)
+                for j, variant in enumerate(family_sets(grid_shape(d, g), layouts))]
+F32_LAYOUTS = {d: layouts for d, g, dtype, layouts in TEST_FAMILY_GRID if dtype == "float32"}
 
 
 @pytest.mark.parametrize("head_dim,group,dtype,variant,splits", FAMILY_CASES,
@@ -149,13 +145,11 @@ def test_family_matches_f64_reference(loop, gpu, test_library, head_dim, group, 
     Family(loop, gpu, test_library, variant, shape, dtype).check(inputs, dtype, splits)
 
 
-@pytest.mark.parametrize("variant", FAMILY_SETS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim,variant", [(d, v) for d in (64, 128, 256) for v in family_sets(F32_SHAPE[d], F32_LAYOUTS[d])])
 def test_family_with_inline_rope(loop, gpu, test_library, head_dim, variant):
     """A batch of 3 mixed lengths, inline RoPE (rotate-half, as TVM defines it) at random offsets, f32."""
     skip_without_subgroups(gpu, variant)
     dtype, shape = "float32", F32_SHAPE[head_dim]
-    skip_unbuilt(variant, shape)
     inputs = make_paged_inputs(np.random.default_rng(head_dim), [2000, 17, 300], shape.num_kv_heads, shape.num_qo_heads,
                                head_dim, dtype, rope_offset_range=500)
     Family(loop, gpu, test_library, variant, shape, dtype).check(
@@ -206,13 +200,13 @@ def reference_with_f32_angles(inputs, theta):
         ref._rope_f64 = exact
 
 
-@pytest.mark.parametrize("variant", FAMILY_SETS)
-@pytest.mark.parametrize("shape,dtype", TEST_WINDOW_SHAPES, ids=lambda v: v if isinstance(v, str) else f"d{v.head_dim}")
+@pytest.mark.parametrize("shape,dtype,variant", [(shape, dtype, v) for shape, dtype, layouts in TEST_WINDOW_SHAPES
+                                                  for v in family_sets(shape, layouts)],
+                         ids=lambda v: v if isinstance(v, str) else f"d{v.head_dim}")
 def test_family_with_sliding_window(loop, gpu, test_library, variant, shape, dtype):
     """[3, B] length_info (last page length, window offset, sink): splits cut the attended rows."""
     skip_without_f16(gpu, dtype)
     skip_without_subgroups(gpu, variant)
-    skip_unbuilt(variant, shape)
     head_dim = shape.head_dim
     for seed, window in enumerate(({"window": 64, "sink": 4}, {"window": 300, "sink": 0})):
         inputs = make_paged_inputs(np.random.default_rng(head_dim + seed), [40, 70, 1000, 2000], 1, 4, head_dim,
@@ -221,7 +215,7 @@ def test_family_with_sliding_window(loop, gpu, test_library, variant, shape, dty
             inputs, dtype, [3, 40] if seed else [2, 5])
 
 
-@pytest.mark.parametrize("variant", FAMILY_SETS)
+@pytest.mark.parametrize("variant", family_sets(F32_SHAPE[128], F32_LAYOUTS[128]))
 def test_empty_and_one_token_sequences(loop, gpu, test_library, variant):
     """Sequences without pages give output 0 and lse exactly -5e4 (the merge's neutral state) for
     every S; one-token sequences have every split but the first empty."""
@@ -244,7 +238,7 @@ def test_all_sequences_empty(loop, gpu, test_library, variant):
         assert np.all(out == 0) and np.all(lse == MASKED_SCORE), f"{variant} {label}"
 
 
-@pytest.mark.parametrize("variant", FAMILY_SETS)
+@pytest.mark.parametrize("variant", family_sets(F32_SHAPE[128], F32_LAYOUTS[128]))
 def test_unused_slots_are_never_read(loop, gpu, test_library, variant):
     """Poison every slot outside the contexts; splits ending inside a page must stop there. S goes
     down as well as up: the workspace keeps stale partials of a larger S, which must not be read."""
