@@ -1,0 +1,159 @@
+"""The prefill pass's 4-bit matmul: a tile of tokens x a tile of weight rows per workgroup.
+
+y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama), with the same
+folds as the decode matmul (kernels.llama.quantized_matmul): the RMSNorm before it (`norm_eps`) and
+the SwiGLU after it (`swiglu`). The decode step keeps the one-token kernel; this one serves chunks
+of many tokens, where each weight should be read once per TOKENS tokens, not once per 8.
+
+    grid (OUT_COLUMNS / COLUMNS_PER_TILE, ceil(n / TOKENS))
+    tid in [0, 256): token quad tq = tid // 8 (tokens 4 tq .. 4 tq + 3 of the tile),
+                     row quad pair rq = tid % 8 (tile rows 4 rq .. and 32 + 4 rq ..)
+
+Per K_STEP columns of `in`, the workgroup stages x's TOKENS x K_STEP values and W's ROWS x K_STEP
+dequantized weights in workgroup memory, both as f32x4 along the dimension a thread reads four of
+(x_tile[k][token quad], w_tile[k][row quad]); a thread then does 8 vector FMAs (4 tokens x 8 rows)
+per 3 vector loads. A thread's rows are 4 rq .. 4 rq + 3 and 32 + 4 rq .. so that with `swiglu`
+(tile rows 0-31 are gate rows, 32-63 the up rows of the same 32 columns) each thread holds both
+halves of its outputs. Weights are dequantized (and scaled by the norm's weight) once per tile.
+
+With `norm_eps`: norm(x) @ W^T = inv_rms(x) * (x @ (W * norm)^T), and every thread sums x^2 of its
+4 tokens from the x tile it reads anyway (one more vector FMA per 8), so the normalized x is never
+stored. Accumulation is f32; x, y and resid are `dtype`.
+
+Workgroup storage: x tile TOKENS * K_STEP f32 (8 KiB), W tile ROWS * K_STEP f32 (4 KiB).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from kernels.llama import BLOCK
+from kernels.paged_kv import VEC
+
+THREADS = 256
+TOKENS = 128  # tokens per tile
+ROWS = 64  # weight rows per tile
+K_STEP = 16  # columns of `in` staged per step (half a quantization block: two q4 words a row)
+TOKEN_QUADS = TOKENS // VEC  # 32
+ROW_QUADS = ROWS // VEC  # 16
+HALF_QUADS = ROW_QUADS // 2  # a thread's second row quad is HALF_QUADS further on
+WORDS_PER_STEP = K_STEP // 8  # q4 words of one row per step
+X_TASKS = TOKEN_QUADS * (K_STEP // VEC)  # (token quad, k quad) loads of the x tile
+W_TASKS = ROW_QUADS * WORDS_PER_STEP  # (row quad, word) loads of the W tile
+
+
+def quantized_matmul_tiled(out_features: int, in_features: int, dtype: str, residual: bool,
+                           norm_eps: float | None = None, swiglu: bool = False):
+    """The tiled q4 matmul PrimFunc (see the module docstring); `n` (tokens) is symbolic."""
+    OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
+    COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
+    STEPS = in_features // K_STEP
+    WORDS = in_features // 8
+    normed = norm_eps is not None
+    VEC_DTYPE = f"{dtype}x{VEC}"
+    assert out_features % ROWS == 0 and in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
+    assert THREADS == TOKEN_QUADS * HALF_QUADS
+
+    def weight_row(tile, local_row):
+        """The W row of a tile row: with swiglu, rows 0-31 are gate rows and 32-63 the up rows."""
+        if swiglu:
+            return T.if_then_else(local_row < COLUMNS_PER_TILE, tile * COLUMNS_PER_TILE + local_row,
+                                  OUT_COLUMNS + tile * COLUMNS_PER_TILE + local_row - COLUMNS_PER_TILE)
+        return tile * ROWS + local_row
+
+    def q4_value(word, k):
+        return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15)))
+
+    @T.prim_func(s_tir=True)
+    def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
+               resid_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        x = T.match_buffer(x_h, (n, in_features // VEC), VEC_DTYPE)  # same bytes as [n, in]
+        norm = T.match_buffer(norm_h, (in_features,), "float32")
+        w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
+        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
+        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
+        resid = T.match_buffer(resid_h, (n, OUT_COLUMNS // VEC), VEC_DTYPE)
+        y = T.match_buffer(y_h, (n, OUT_COLUMNS // VEC), VEC_DTYPE)
+        for tile in T.thread_binding(OUT_COLUMNS // COLUMNS_PER_TILE, thread="blockIdx.x"):
+            for token_tile in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
+                for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    with T.sblock("matmul_tiled"):
+                        T.reads()
+                        T.writes()
+                        x_tile = T.sblock_alloc_buffer((K_STEP * TOKEN_QUADS,), "float32x4", scope="shared")
+                        w_tile = T.sblock_alloc_buffer((K_STEP * ROW_QUADS,), "float32x4", scope="shared")
+                        acc = T.sblock_alloc_buffer((VEC * 2,), "float32x4", scope="local")  # [token][row quad]
+                        squares = T.sblock_alloc_buffer((1,), "float32x4", scope="local")  # x^2 of 4 tokens
+                        loaded = T.sblock_alloc_buffer((VEC,), "float32x4", scope="local")  # 4 rows of x or W
+                        result = T.sblock_alloc_buffer((2,), "float32x4", scope="local")
+                        words = T.sblock_alloc_buffer((VEC,), "uint32", scope="local")
+                        scale_min = T.sblock_alloc_buffer((2 * VEC,), "float32", scope="local")
+
+                        tq: T.let[T.int32] = tid // HALF_QUADS
+                        rq: T.let[T.int32] = tid % HALF_QUADS
+                        tok0: T.let[T.int32] = token_tile * TOKENS
+                        for a in T.unroll(VEC * 2):
+                            acc[a] = T.Broadcast(T.float32(0), VEC)
+                        squares[0] = T.Broadcast(T.float32(0), VEC)
+
+                        for step in T.serial(STEPS):
+                            k0: T.let[T.int32] = step * K_STEP
+                            if tid < X_TASKS:
+                                # 4 tokens' x[k0 + 4 kq .. + 3], transposed into 4 vectors of one k each
+                                # (tokens past n read the last token; their outputs are never written)
+                                lq: T.let[T.int32] = tid // (K_STEP // VEC)
+                                kq: T.let[T.int32] = tid % (K_STEP // VEC)
+                                for i in T.unroll(VEC):
+                                    loaded[i] = T.Cast("float32x4", x[T.min(tok0 + lq * VEC + i, n - 1), k0 // VEC + kq])
+                                for kk in T.unroll(VEC):
+                                    x_tile[(kq * VEC + kk) * TOKEN_QUADS + lq] = T.Shuffle(
+                                        [loaded[0], loaded[1], loaded[2], loaded[3]], [kk, VEC + kk, 2 * VEC + kk, 3 * VEC + kk])
+                            elif tid < X_TASKS + W_TASKS:
+                                # one q4 word (8 weights) of each of 4 rows, dequantized into 8 vectors
+                                wq: T.let[T.int32] = (tid - X_TASKS) // WORDS_PER_STEP
+                                word_in_step: T.let[T.int32] = (tid - X_TASKS) % WORDS_PER_STEP
+                                word_index: T.let[T.int32] = k0 // 8 + word_in_step
+                                for i in T.unroll(VEC):
+                                    row: T.let[T.int32] = weight_row(tile, wq * VEC + i)
+                                    words[i] = w[row, word_index]
+                                    scale_min[i] = scale[row, k0 // BLOCK]
+                                    scale_min[VEC + i] = wmin[row, k0 // BLOCK]
+                                for j in T.unroll(8):
+                                    for i in T.unroll(VEC):
+                                        loaded[i] = T.Broadcast(q4_value(words[i], j) * scale_min[i] + scale_min[VEC + i], VEC)
+                                    w_tile[(word_in_step * 8 + j) * ROW_QUADS + wq] = T.Shuffle(
+                                        [loaded[0], loaded[1], loaded[2], loaded[3]], [0, VEC, 2 * VEC, 3 * VEC]) * T.Broadcast(
+                                            norm[k0 + word_in_step * 8 + j] if normed else T.float32(1), VEC)
+                            # token quads wholly past n skip the arithmetic (a short prompt's last tile; on a
+                            # CPU rasterizer, whose SIMD lanes are 8 neighbouring threads of one quad, that is time)
+                            if tok0 + tq * VEC < n:
+                                for k in T.unroll(K_STEP):
+                                    xv: T.let[T.float32x4] = x_tile[k * TOKEN_QUADS + tq]
+                                    for i in T.unroll(VEC):
+                                        acc[i * 2] = acc[i * 2] + T.Broadcast(T.Shuffle([xv], [i]), VEC) * w_tile[
+                                            k * ROW_QUADS + rq]
+                                        acc[i * 2 + 1] = acc[i * 2 + 1] + T.Broadcast(T.Shuffle([xv], [i]), VEC) * w_tile[
+                                            k * ROW_QUADS + HALF_QUADS + rq]
+                                    if normed:
+                                        squares[0] = squares[0] + xv * xv
+
+                        for i in T.unroll(VEC):
+                            token: T.let[T.int32] = tok0 + tq * VEC + i
+                            if token < n:
+                                inv_rms: T.let[T.float32] = T.rsqrt(T.Shuffle([squares[0]], [i]) / T.float32(in_features)
+                                                                    + T.float32(norm_eps or 0)) if normed else T.float32(1)
+                                result[0] = acc[i * 2] * T.Broadcast(inv_rms, VEC)
+                                result[1] = acc[i * 2 + 1] * T.Broadcast(inv_rms, VEC)
+                                if swiglu:  # gate columns in result[0], their up rows in result[1]
+                                    y[token, tile * (COLUMNS_PER_TILE // VEC) + rq] = T.Cast(
+                                        VEC_DTYPE, result[0] / (T.Broadcast(T.float32(1), VEC) + T.exp(-result[0])) * result[1])
+                                else:
+                                    for h in T.unroll(2):
+                                        quad: T.let[T.int32] = tile * ROW_QUADS + h * HALF_QUADS + rq
+                                        if residual:
+                                            result[h] = result[h] + T.Cast("float32x4", resid[token, quad])
+                                        y[token, quad] = T.Cast(VEC_DTYPE, result[h])
+
+    return matmul
