@@ -17,16 +17,19 @@ from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_sharded import decode_attention_sharded, shards_layout
 from kernels.decode_attention_subgroup import decode_attention_subgroup, subgroup_layout
 from kernels.decode_attention_tiled import decode_attention_tiled
+from kernels.prefill_attention import prefill_attention, prefill_layout
+from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
 from model_glue.contract import (ATTENTION_BUFFERS, ATTENTION_INPUTS, ATTENTION_OUTPUTS, BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K,
-                                 MODEL_CONFIGS, MODEL_SHAPES, PREFILL_TOKENS_PER_GROUP, SPLIT_WORKSPACE, TEST_SHAPES,
+                                 MODEL_CONFIGS, MODEL_SHAPES, PREFILL_ATTENTION_BUFFERS, SPLIT_WORKSPACE, TEST_SHAPES,
                                  TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionShape, LlamaConfig, attention_kernel_name,
-                                 merge_kernel_name, model_kernel_name, subgroup_tag)
+                                 merge_kernel_name, model_kernel_name, prefill_attention_kernel_name, subgroup_tag)
 
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe,
     "tiled": decode_attention_tiled, "sharded": decode_attention_sharded, "subgroup": decode_attention_subgroup,
-    "merge": decode_attention_merge,
+    "merge": decode_attention_merge, "prefill_attention": prefill_attention,
+    "quantized_matmul_tiled": quantized_matmul_tiled,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
@@ -118,6 +121,15 @@ def attention_recipes(shape: AttentionShape, dtype: str, sliding_window: bool = 
     return recipes
 
 
+def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
+    """The causal paged prefill attention kernel of one shape."""
+    return KernelRecipe(prefill_attention_kernel_name(shape, dtype), "prefill_attention",
+                        (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype),
+                        {"kind": "prefill_attention", "num_kv_heads": shape.num_kv_heads,
+                         "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim, "dtype": dtype,
+                         **prefill_layout(shape.head_dim)}, buffers=PREFILL_ATTENTION_BUFFERS)
+
+
 def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     """The builder arguments of one role (its builder is LLAMA_ROLES[role].builder)."""
     if role == "embed":
@@ -135,12 +147,13 @@ def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:
     if role == "sample":
         return (c.vocab_size, MAX_TOP_K)
     matmul, phase = role.rsplit("_", 1)
-    tokens = 1 if phase == "decode" else PREFILL_TOKENS_PER_GROUP
     out_in = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
               "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}[LAYER_MATMULS[matmul]]
     residual = matmul.endswith("_residual")
     norm_eps = c.rms_eps if matmul.startswith("norm_") else None
-    return (*out_in, dtype, "q4", tokens, residual, None, norm_eps, matmul.endswith("_swiglu"))
+    if phase == "prefill":
+        return (*out_in, dtype, residual, norm_eps, matmul.endswith("_swiglu"))
+    return (*out_in, dtype, "q4", 1, residual, None, norm_eps, matmul.endswith("_swiglu"))
 
 
 def llama_recipes(config_name: str, c: LlamaConfig, dtype: str) -> list[KernelRecipe]:
@@ -159,6 +172,8 @@ def all_recipes() -> list[KernelRecipe]:
     for shape in BENCH_SHAPES + MODEL_SHAPES:
         for dtype in DTYPES:
             recipes += attention_recipes(shape, dtype)
+            if shape.head_dim <= 128:  # kernels.prefill_attention keeps D/4 vectors of q and O a thread
+                recipes.append(prefill_attention_recipe(shape, dtype))
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)

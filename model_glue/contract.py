@@ -148,6 +148,11 @@ def merge_kernel_name(shape: AttentionShape, dtype: str) -> str:
     return f"decode_merge_d{shape.head_dim}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
 
 
+def prefill_attention_kernel_name(shape: AttentionShape, dtype: str) -> str:
+    """The causal paged prefill attention kernel of a shape (kernels.prefill_attention)."""
+    return f"prefill_attention_d{shape.head_dim}_kv{shape.num_kv_heads}_qo{shape.num_qo_heads}_{DTYPE_TAGS[dtype]}"
+
+
 def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
     return f"{config_name}_{role}_{DTYPE_TAGS[dtype]}"
 
@@ -161,6 +166,10 @@ ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
 # O (not yet divided) and (max, denominator) in the log2 domain, dense for the call's S:
 # [B, H_qo, S, D] and [B, H_qo, S, 2], f32. The merge kernel reads them.
 SPLIT_WORKSPACE = ("partial_o", "partial_stats")
+
+# The prefill attention kernel's buffers: one sequence's new queries, the layer's pages, the
+# sequence's page ids in order, and the output; scalars `start` (tokens cached before the chunk), sm_scale.
+PREFILL_ATTENTION_BUFFERS = ("q", "pages", "page_ids", "output")
 
 _MATMUL = ("x", "w", "scale", "wmin", "y")
 _NORM_MATMUL = ("x", "norm", "w", "scale", "wmin", "y")  # RMSNorm folded in (`norm`: its weight)
@@ -196,13 +205,14 @@ LLAMA_ROLES = {
     "lm_head": KernelRole("quantized_matmul", ("x", "w", "scale", "y")),
     "argmax": KernelRole("argmax", ("logits", "out")),
     "sample": KernelRole("sample_top_k_top_p", ("logits", "out")),  # top-k, top-p, temperature
-    # decode (one token per pass) and prefill (PREFILL_TOKENS_PER_GROUP tokens per workgroup)
-    **{f"{matmul}_{phase}": KernelRole("quantized_matmul", _MATMUL_RESIDUAL if matmul.endswith("_residual") else
+    # decode: one token per pass (kernels.llama.quantized_matmul); prefill: tiles of tokens x weight
+    # rows (kernels.prefill_matmul), the same buffers
+    **{f"{matmul}_{phase}": KernelRole(builder, _MATMUL_RESIDUAL if matmul.endswith("_residual") else
                                        _NORM_MATMUL if matmul.startswith("norm_") else _MATMUL)
-       for phase in ("decode", "prefill") for matmul in LAYER_MATMULS},
+       for phase, builder in (("decode", "quantized_matmul"), ("prefill", "quantized_matmul_tiled"))
+       for matmul in LAYER_MATMULS},
 }
 MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)
-PREFILL_TOKENS_PER_GROUP = 8  # tokens one prefill matmul workgroup serves (each weight read once per 8)
 
 
 # -- the kernel manifest -------------------------------------------------------------------------------------

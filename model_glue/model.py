@@ -24,14 +24,16 @@ from model_glue.attention import (AttentionChoice, attention_call, attention_dis
 from model_glue.contract import (DTYPE_BYTES, LLAMA_ROLES, MANIFEST, MAX_SPLITS, MAX_TOP_K, MODEL_ARTIFACT_FORMAT,
                                  MODEL_ARTIFACT_KIND, MODEL_CONFIGS, PAGE_SIZE, SHARDED_VARIANTS, SPLIT_WORKSPACE,
                                  LlamaConfig, attention_kernel_name, merge_kernel_name, model_kernel_name,
-                                 subgroup_tag)
+                                 prefill_attention_kernel_name, subgroup_tag)
 from model_glue.kernel import DispatchPlan, unmet_limits
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
-MAX_PREFILL_CHUNK = 256  # prompt tokens per prefill pass (longer prompts go in chunks)
-# The split workspace serves batch * num_splits rows: a prefill chunk's pseudo-sequences at S = 1,
-# or one decode sequence at up to MAX_SPLITS splits.
-SPLIT_WORKSPACE_ROWS = max(MAX_PREFILL_CHUNK, MAX_SPLITS)
+# Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
+# A GPU wants large chunks: the prefill kernels' tiles (128 tokens x 64 weight rows, 64 query rows)
+# fill its SMs only from a few thousand tokens on. A CPU rasterizer has no idle cores to fill, and
+# smaller chunks keep the page responsive there.
+GPU_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 256
 # Passes in flight at once: a decode step is submitted before the previous step's id is read back.
 PIPELINE_DEPTH = 2
 STAMPS_OFFSET = 8  # a pass's readback: the chosen id (4 bytes, padded), then its raw timestamps
@@ -76,8 +78,8 @@ class StepStats:
     kind: str  # "prefill" or "decode"
     tokens: int  # tokens processed in this pass
     context: int  # tokens attended by the last query (the step's longest context)
-    nest: str  # "tiled" or "sharded" (the family; the comparison mode's axis)
-    variant: str  # what ran: "tiled", "subgroup", "subgroup S=8", "shards_group" (model_glue.attention)
+    nest: str  # decode: "tiled" or "sharded" (the family; the comparison mode's axis); "prefill"
+    variant: str  # what ran: "tiled", "subgroup", "subgroup S=8", "shards_group" (model_glue.attention), "prefill"
     attention_ms: float | None  # GPU time of all attention dispatches, summed over layers
     step_ms: float  # wall time of the pass (encoding, GPU work, token id back); pipelined steps overlap,
     #                 so a decode step counts from when the previous id arrived
@@ -201,6 +203,8 @@ class LlamaModel:
         self.stats: list[StepStats] = []
         self.tiled_defect: str | None = None  # why TVM's tiled kernel must not run for this shape
         self.sharded_override: str | None = None  # e.g. "shards:8" (set by `force_variant`)
+        self.prefill_attention = None  # the causal prefill attention kernel (passes of several tokens)
+        self.prefill_chunk = CPU_PREFILL_CHUNK if device.is_cpu else GPU_PREFILL_CHUNK
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -228,10 +232,11 @@ class LlamaModel:
         names = _kernel_names(library, config_name, config, dtype)
         attention_names = _attention_kernel_names(library, config, dtype, device)
         esize = DTYPE_BYTES[dtype]
-        _check_limits(device, library, list(names.values()) + [attention_names["tiled"]], {
+        chunk = CPU_PREFILL_CHUNK if device.is_cpu else GPU_PREFILL_CHUNK
+        _check_limits(device, library, list(names.values()) + [attention_names["tiled"], attention_names["prefill"]], {
             "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize),
-            "the largest activation buffer": max(cls.scratch_sizes(config, esize, MAX_PREFILL_CHUNK).values()),
+            "the largest activation buffer": max(cls.scratch_sizes(config, esize, chunk).values()),
         })
         progress(f"reading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
         try:
@@ -260,6 +265,7 @@ class LlamaModel:
         for role, name in names.items():
             model.kernels[role] = await library.kernel(name)
         model.attention["tiled"] = await library.kernel(attention_names["tiled"])
+        model.prefill_attention = await library.kernel(attention_names["prefill"])
         # What this adapter's rule picks: one variant over the whole context, and split (GPUs).
         variant = model._pick_variant([config.max_context]).variant
         await model.prepare_variant(variant, split=not device.is_cpu)
@@ -287,7 +293,7 @@ class LlamaModel:
     def _pick_variant(self, contexts: list[int]) -> AttentionChoice:
         return pick_sharded_variant(contexts, self.config.attention_shape, is_cpu=self.device.is_cpu,
                                     subgroups=self.runs_subgroups, available=self.sharded_variants,
-                                    max_rows=SPLIT_WORKSPACE_ROWS, override=self.sharded_override)
+                                    max_rows=MAX_SPLITS, override=self.sharded_override)
 
     # -- scratch buffers ----------------------------------------------------------------------
     @staticmethod
@@ -300,9 +306,10 @@ class LlamaModel:
             "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
             "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
             "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
-            "indptr": 4 * (n + 1), "page_ids": 4 * n * max_pages, "last_len": 4 * n,
-            "zeros": 4 * n,  # rope offsets for attention (unused: RoPE is applied at append); WebGPU zero-fills
-            **split_workspace_bytes(SPLIT_WORKSPACE_ROWS, c.attention_shape),
+            # decode attention's page table (one sequence; prefill attention reads page_ids too)
+            "indptr": 4 * 2, "page_ids": 4 * max_pages, "last_len": 4,
+            "zeros": 4,  # rope offsets for decode attention (unused: RoPE is applied at append); WebGPU zero-fills
+            **split_workspace_bytes(MAX_SPLITS, c.attention_shape),
         }
 
     def _ensure_scratch(self, tokens: int) -> None:
@@ -358,16 +365,16 @@ class LlamaModel:
             raise ModelError("no token on the GPU to continue from: run the prompt first")
         self._ensure_scratch(n)
         start = self.kv.length
-        contexts = [start + i + 1 for i in range(n)]  # causal: token i sees the prefix through itself
-        try:
-            nest = pick_decode_nest([contexts[-1]], attention, self.tiled_defect)
+        context = start + n  # the last token sees the prefix and every token of the pass
+        try:  # a decode step asks which nest; a prefill pass always runs the causal prefill kernel
+            nest = pick_decode_nest([context], attention, self.tiled_defect) if n == 1 else "prefill"
         except ValueError as err:
             raise ModelError(str(err)) from err
-        choice = self._pick_variant(contexts) if nest == "sharded" else AttentionChoice("tiled")
+        choice = self._pick_variant([context]) if nest == "sharded" else AttentionChoice(nest)
         slots = self.kv.reserve(n)
         # None marks an id that is still on the GPU; `finish` of the pass that chooses it fills it in.
         self.cached_ids.extend([None] if token_ids is None else token_ids)
-        indptr, page_ids, last_len = self.kv.page_table(contexts)
+        indptr, page_ids, last_len = self.kv.page_table([context])
         dev, buf = self.device, self.buffers
         if token_ids is not None:  # a one-token pass reads its id where the last pass's argmax wrote
             dev.write(buf["ids"] if n > 1 else buf["next_id"], array("i", token_ids).tobytes())
@@ -403,7 +410,7 @@ class LlamaModel:
         batch.submit()
         encode_ms = (time.perf_counter() - started) * 1e3
         self._in_flight.append(staging)
-        return InFlightPass(staging, kind or ("prefill" if n > 1 else "decode"), n, start, contexts[-1], nest,
+        return InFlightPass(staging, kind or ("prefill" if n > 1 else "decode"), n, start, context, nest,
                             str(choice), started, encode_ms, batch.dispatches)
 
     async def finish(self, step: InFlightPass) -> int:
@@ -454,8 +461,10 @@ class LlamaModel:
         return sorted({type(recorded).__name__ for recorded in self._recorded.values()})
 
     def _attention_kernels(self, choice: AttentionChoice) -> list:
-        """The dispatches of one attention call: tiled, a variant over the whole context, or a
-        variant's split kernel and the merge that combines the S partial results."""
+        """The dispatches of one attention call: prefill, tiled, a variant over the whole context, or
+        a variant's split kernel and the merge that combines the S partial results."""
+        if choice.variant == "prefill":
+            return [self.prefill_attention]
         if choice.variant == "tiled":
             return [self.attention["tiled"]]
         key = (choice.variant, choice.split)
@@ -466,6 +475,10 @@ class LlamaModel:
     def _attention_call(self, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
         """Buffers and values of one layer's attention (the values are the same in every layer)."""
         c, buf = self.config, self.buffers
+        if choice.variant == "prefill":  # the pass's n tokens after the kv.length - n cached before them
+            return ({"q": buf["q"], "pages": self.kv.layers[layer], "page_ids": buf["page_ids"], "output": buf["attn"]},
+                    {"n": n, "num_pages": self.kv.num_pages, "used_pages": nnz_pages, "start": self.kv.length - n,
+                     "sm_scale": c.head_dim ** -0.5})
         # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
         # The page table grows with the context: attention's values change every step.
         return attention_call(
@@ -612,11 +625,12 @@ def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) ->
 
 
 def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) -> dict:
-    """"tiled", "merge" and (variant, split) -> artifact name, for the decode attention kernels the
-    artifact holds for the model's shape and this device runs (tiled, the merge and "shards" must be
-    there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
+    """"prefill", "tiled", "merge" and (variant, split) -> artifact name, for the attention kernels the
+    artifact holds for the model's shape and this device runs (prefill, tiled, the merge and "shards"
+    must be there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
     shape = config.attention_shape
-    names = {"tiled": attention_kernel_name("tiled", shape, dtype), "merge": merge_kernel_name(shape, dtype)}
+    names = {"prefill": prefill_attention_kernel_name(shape, dtype), "tiled": attention_kernel_name("tiled", shape, dtype),
+             "merge": merge_kernel_name(shape, dtype)}
     builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
         kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
         num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
@@ -630,6 +644,7 @@ def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) ->
             if name in library.specs:
                 names[variant, split] = name
     missing = [key for key in ("tiled", "merge", ("shards", False), ("shards", True)) if key not in names]
+    missing += ["prefill"] if names["prefill"] not in library.specs else []
     if missing:
         raise ModelError(f"the kernel artifact lacks the decode attention kernels of this model ({missing}); "
                          "rebuild it with `python -m app build`")
@@ -733,14 +748,15 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, atte
         return token
 
     start_length = model.kv.length
-    for chunk_start in range(0, len(new_ids), MAX_PREFILL_CHUNK):
+    chunk = model.prefill_chunk
+    for chunk_start in range(0, len(new_ids), chunk):
         if should_stop():
             if pending is not None:
                 await finish_chunk(pending)  # what was submitted stays in the cache, as before
             result.stop_reason = STOPPED_IN_PREFILL
             return
-        last_chunk = chunk_start + MAX_PREFILL_CHUNK >= len(new_ids)  # only its token is kept, and drawn
-        step = model.submit(new_ids[chunk_start:chunk_start + MAX_PREFILL_CHUNK], attention,
+        last_chunk = chunk_start + chunk >= len(new_ids)  # only its token is kept, and drawn
+        step = model.submit(new_ids[chunk_start:chunk_start + chunk], attention,
                             sampling if last_chunk else GREEDY, draw() if last_chunk else 0.0, kind="prefill")
         if pending is not None:
             await finish_chunk(pending)
