@@ -91,6 +91,17 @@ def main(argv=None) -> int:
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)
 
+    pre = bench_sub.add_parser("prefill", help="time to first token: prefill tok/s, GPU, attention and matmul ms per chunk size")
+    pre.add_argument("--prompts", type=_int_list, default=[128, 1024, 3000, 8000], help="prompt lengths (tokens)")
+    pre.add_argument("--chunks", type=_int_list, help="prefill chunk sizes (default: the adapter's)")
+    pre.add_argument("--repeats", type=int, default=3, help="runs per row (the fastest is reported)")
+    pre.add_argument("--warmup", type=int, default=2, help="untimed runs per chunk size")
+    pre.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto")
+    pre.add_argument("--synthetic", action="store_true", help="random weights of SmolLM2's shape")
+    pre.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
+    pre.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+    pre.add_argument("--json", type=Path)
+
     page = bench_sub.add_parser("page", help="host time to encode a decode step in the page (Chromium, Pyodide)")
     page.add_argument("--model", default="smollm2", choices=["smollm2", "tiny_chat"])
     page.add_argument("--steps", type=int, default=8, help="decode steps per mode")
@@ -156,6 +167,12 @@ def main(argv=None) -> int:
         from app.bench.decode import run_decode_bench
 
         asyncio.run(run_decode_bench(args))
+    elif args.command == "bench" and args.what == "prefill":
+        import asyncio
+
+        from app.bench.prefill import run_prefill_bench
+
+        asyncio.run(run_prefill_bench(args))
     elif args.command == "bench" and args.what == "chat":
         import asyncio
 

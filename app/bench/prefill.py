@@ -1,0 +1,92 @@
+"""`python -m app bench prefill`: time to first token for long prompts, per prefill chunk size.
+
+For each chunk size and prompt length P: the model is reset and `generate` prefills a P-token prompt
+(random ids) in chunks and picks one token; best of --repeats. Reported: tokens/s over the wall
+time to the first token, the GPU time of the prefill passes and of their attention (GPU timestamps,
+summed over chunks), the rest (matmuls, RoPE/append, embedding: GPU - attention) and the achieved
+TFLOP/s of each, counting 2 FLOP per multiply-add: matmuls 2 * params-per-token per token,
+causal attention 4 * H_qo * D per (query, key) pair (q.k and p.V).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+
+from model_glue.artifact import KernelLibrary, folder_readers
+from model_glue.model import LlamaModel, generate
+from model_glue.webgpu import WgpuDevice
+
+
+def matmul_flops_per_token(c) -> int:
+    """2 FLOP per weight of every layer matmul (the head runs for the last token only)."""
+    per_layer = c.qkv_dim * c.dim + c.dim * c.n_heads * c.head_dim + 3 * c.ffn_dim * c.dim
+    return 2 * per_layer * c.n_layers
+
+
+def attention_flops(c, prompt: int, cached: int = 0) -> int:
+    """Causal attention of `prompt` new tokens after `cached` ones: token i attends cached + i + 1 keys."""
+    pairs = prompt * cached + prompt * (prompt + 1) // 2
+    return 4 * pairs * c.n_heads * c.head_dim * c.n_layers
+
+
+async def run_prefill_bench(args) -> dict:
+    device = await WgpuDevice.open()
+    library = await KernelLibrary.from_folder(device, args.kernels)
+    model_dir = args.model
+    if args.synthetic:
+        from convert.weights import write_random_artifact
+
+        model_dir = tempfile.mkdtemp(prefix="smollm2-synthetic-")
+        write_random_artifact("smollm2_135m", model_dir, seed=0)
+    read_text, read_bytes = folder_readers(model_dir)
+    model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max(args.prompts) + 16,
+                                  dtype=None if args.dtype == "auto" else args.dtype)
+    c = model.config
+    chunks = args.chunks or [model.prefill_chunk]
+    weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
+    print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; GPU time: "
+          f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.prefill_chunk}", flush=True)
+    print(f"{'prompt':>6} {'chunk':>5} {'passes':>6} {'tok/s':>9} {'TTFT ms':>8} {'GPU ms':>8} {'attn ms':>8} "
+          f"{'rest ms':>8} {'attn TFLOP/s':>12} {'rest TFLOP/s':>12}")
+    rng = random.Random(0)
+    rows = []
+    for chunk in chunks:
+        model.prefill_chunk = chunk
+        # warm-up: first dispatches compile on some drivers, and a GPU's clocks ramp up
+        for _ in range(args.warmup):
+            model.reset()
+            await generate(model, [rng.randrange(3, c.vocab_size) for _ in range(min(max(args.prompts), 2 * chunk))],
+                           max_new_tokens=1)
+        for prompt_len in args.prompts:
+            prompt = [rng.randrange(3, c.vocab_size) for _ in range(prompt_len)]
+            best = None
+            for _ in range(args.repeats):
+                model.reset()
+                run = await generate(model, prompt, max_new_tokens=1)
+                passes = [s for s in run.stats if s.kind == "prefill" or s.tokens > 1]
+                gpu = None if any(s.gpu_ms is None for s in passes) else sum(s.gpu_ms for s in passes)
+                attn = None if any(s.attention_ms is None for s in passes) else sum(s.attention_ms for s in passes)
+                if best is None or run.prefill_ms < best[0]:
+                    best = (run.prefill_ms, gpu, attn, len(passes))
+            ttft, gpu, attn, count = best
+            rest = None if gpu is None or attn is None else gpu - attn
+            row = {"prompt": prompt_len, "chunk": chunk, "passes": count, "tok_s": round(prompt_len / ttft * 1e3, 1),
+                   "ttft_ms": round(ttft, 2), "gpu_ms": gpu and round(gpu, 3), "attention_ms": attn and round(attn, 3),
+                   "rest_ms": rest and round(rest, 3),
+                   "attention_tflops": attn and round(attention_flops(c, prompt_len) / attn / 1e9, 2),
+                   "rest_tflops": rest and round(matmul_flops_per_token(c) * prompt_len / rest / 1e9, 2)}
+            rows.append(row)
+
+            def show(value, digits=1):
+                return "-" if value is None else f"{value:.{digits}f}"
+
+            print(f"{prompt_len:>6} {chunk:>5} {count:>6} {row['tok_s']:>9.1f} {ttft:>8.1f} {show(gpu):>8} "
+                  f"{show(attn):>8} {show(rest):>8} {show(row['attention_tflops'], 2):>12} "
+                  f"{show(row['rest_tflops'], 2):>12}", flush=True)
+    result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return result
