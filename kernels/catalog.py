@@ -20,7 +20,7 @@ from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
-from model_glue.contract import (ATTENTION_BUFFERS, ATTENTION_INPUTS, ATTENTION_OUTPUTS, BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K,
+from model_glue.contract import (ATTENTION_BUFFERS, DTYPE_TAGS, ATTENTION_INPUTS, ATTENTION_OUTPUTS, BENCH_SHAPES, DTYPES, LAYER_MATMULS, LLAMA_ROLES, MAX_TOP_K,
                                  MODEL_CONFIGS, MODEL_SHAPES, PREFILL_ATTENTION_BUFFERS, SPLIT_WORKSPACE, TEST_SHAPES,
                                  TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionShape, LlamaConfig, attention_kernel_name,
                                  merge_kernel_name, model_kernel_name, prefill_attention_kernel_name, subgroup_tag)
@@ -222,6 +222,20 @@ TEST_WINDOW_SHAPES = [(AttentionShape(1, 4, 64), "float32", ("shards_group", "su
                       (AttentionShape(1, 4, 256), "float16", ("shards", "subgroup"))]
 
 
+# Prefill attention on GQA groups 1, 3, 4 and 8 at head_dim 64 and groups 1 and 8 at 128 (lavapipe
+# compiles head_dim 128 slowly), the dtypes alternating so that each head_dim has both; the tiled
+# prefill matmul with each fold on a small shape, both dtypes (tests/test_prefill_kernels.py).
+TEST_PREFILL_ATTENTION = [(AttentionShape(2 if group == 1 else 1, (2 if group == 1 else 1) * group, d), DTYPES[i % 2])
+                          for d, groups in ((64, (1, 3, 4, 8)), (128, (1, 8))) for i, group in enumerate(groups)]
+TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, swiglu)
+    "plain": (128, 256, False, False, False), "residual": (192, 128, True, False, False),
+    "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
+
+
+def prefill_matmul_test_name(flags: str, dtype: str) -> str:
+    return f"test_prefill_matmul_{flags}_{DTYPE_TAGS[dtype]}"
+
+
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
     """The subgroup builds the tests run for a shape: the exact build (4 lanes a row, so 16 dims a
     lane at head_dim 64) only up to head_dim 128 and 4 heads, where lavapipe compiles it in seconds
@@ -252,6 +266,12 @@ def test_recipes() -> list[KernelRecipe]:
     for shape, dtype, window, layouts in cases:
         recipes += [r for r in attention_recipes(shape, dtype, window, builds=subgroup_builds_for_tests(shape))
                     if r.meta.get("variant", "merge") in layouts + ("tiled", "merge")]
+    recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
+    for flags, (out_features, in_features, residual, norm, swiglu) in TEST_PREFILL_MATMULS.items():
+        for dtype in DTYPES:
+            recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype), "quantized_matmul_tiled",
+                                        (out_features, in_features, dtype, residual, 1e-5 if norm else None, swiglu),
+                                        {"kind": "test_matmul", "dtype": dtype}))
     shape = AttentionShape(1, 4, 128)  # TVM's kernel with a window (test_tiled_with_inline_rope_and_window)
     recipes.append(KernelRecipe(attention_kernel_name("tiled", shape, "float32", True), "tiled",
                                 (1, 4, 128, "float32", True), {"kind": "decode_attention", "nest": "tiled",

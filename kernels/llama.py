@@ -101,7 +101,8 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
 
     256 invocations = ROWS (8) weight rows x LANES (32) lanes; a lane walks the row's packed words
     with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once and
-    applies it to TOKENS tokens (1 for decode, more for prefill so weights are reused). The 32
+    applies it to TOKENS tokens (the artifact builds 1: the decode step and the head; prefill passes
+    run kernels.prefill_matmul, which tiles tokens as well as rows). The 32
     lane partials of each (row, token) meet in workgroup memory behind one barrier.
     (A barrier-free one-row-per-invocation variant was measured no faster on lavapipe.)
 

@@ -79,13 +79,20 @@ def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_re
 
 def test_a_chunked_prompt_matches_reference(loop, gpu, library, tiny_dir, tiny_reference):
     """300 tokens: two pipelined prefill passes (256 + 44; the second submitted before the first is
-    read back, attending to its pages), then decode steps."""
+    read back, attending to its pages), then decode steps; then again in chunks of 37."""
     model = load(loop, gpu, library, tiny_dir, "float32")
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, TINY_VOCAB, 300)]
     run = loop.run_until_complete(generate(model, prompt, max_new_tokens=3))
     assert [s.tokens for s in run.stats if s.kind == "prefill"] == [256, 44]
     tiny_reference.reset()
     want = tiny_reference.forward(prompt + run.token_ids[:-1], 0)[-1]
+    assert rel_l2(logits_of(loop, model), want) < LOGIT_TOLERANCE["float32"]
+    # chunks that start and end inside pages: each attends to the pages of the ones before it
+    model.reset()
+    model.prefill_chunk = 37
+    again = loop.run_until_complete(generate(model, prompt, max_new_tokens=3))
+    assert [s.tokens for s in again.stats if s.kind == "prefill"] == [37] * 8 + [4]
+    assert again.token_ids == run.token_ids
     assert rel_l2(logits_of(loop, model), want) < LOGIT_TOLERANCE["float32"]
 
 

@@ -1,0 +1,155 @@
+"""The prefill kernels against float64: causal paged prefill attention and the tiled q4 matmul.
+
+Kernels come from the test artifact (kernels.catalog: TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS).
+f16 outputs must be within 2e-5 of their own floor (the f64 result rounded to f16) or 2.5e-4 relative
+L2, f32 outputs within 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convert.weights import dequant_q4, pack_q4
+from kernels.catalog import TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name
+from kernels.prefill_attention import prefill_layout
+from model_glue.contract import PAGE_SIZE, prefill_attention_kernel_name
+from attention_reference import relative_l2
+
+TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
+NP_DTYPE = {"float16": np.float16, "float32": np.float32}
+# (tokens cached before the chunk, chunk tokens): a fresh prompt, one token, chunks that start and end
+# inside a page, chunks after a long cached prefix (multi-turn reuse), rows that leave a workgroup part-full.
+CASES = [(0, 1), (0, 17), (0, 100), (5, 1), (5, 37), (16, 16), (300, 3), (200, 70)]
+
+
+def close_to(out, ref, dtype, label):
+    err = relative_l2(out, ref)
+    floor = relative_l2(ref.astype(NP_DTYPE[dtype]), ref)
+    assert err <= max(TOLERANCE[dtype], floor + 2e-5), f"{label}: rel L2 {err:.3e} (floor {floor:.3e})"
+
+
+def skip_without_f16(gpu, dtype):
+    if dtype == "float16" and not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+
+
+# -- attention -------------------------------------------------------------------------------------
+def prefill_attention_f64(q, k, v, start, sm_scale):
+    """q [n, H_qo, D]; k, v [H_kv, start + n, D] in position order: token i sees positions 0 .. start + i."""
+    n, num_qo_heads, _ = q.shape
+    group = num_qo_heads // k.shape[0]
+    visible = np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]
+    out = np.zeros(q.shape)
+    for h in range(num_qo_heads):
+        scores = q[:, h].astype(np.float64) @ k[h // group].T.astype(np.float64) * sm_scale
+        scores = np.where(visible, scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[h // group].astype(np.float64)
+    return out
+
+
+def run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng, stale=np.nan):
+    """Lay k, v out in shuffled pages (slots past the context hold `stale`) and run the kernel."""
+    num_kv_heads, length, head_dim = k.shape
+    used = -(-length // PAGE_SIZE)
+    num_pages = used + 2  # pages the sequence does not own are never read
+    pages = np.full((num_pages, 2, num_kv_heads, PAGE_SIZE, head_dim), stale, NP_DTYPE[dtype])
+    page_ids = rng.permutation(num_pages)[:used].astype(np.int32)
+    for i, page in enumerate(page_ids):
+        rows = slice(i * PAGE_SIZE, min((i + 1) * PAGE_SIZE, length))
+        pages[page, 0, :, :rows.stop - rows.start] = k[:, rows]
+        pages[page, 1, :, :rows.stop - rows.start] = v[:, rows]
+    q = q.astype(NP_DTYPE[dtype])
+
+    def upload(array):
+        return gpu.storage_buffer(array.nbytes, array.tobytes())
+
+    out = gpu.storage_buffer(q.nbytes)
+    bound = kernel.bind({"q": upload(q), "pages": upload(pages), "page_ids": upload(page_ids), "output": out},
+                        {"n": q.shape[0], "num_pages": num_pages, "used_pages": used, "start": start,
+                         "sm_scale": head_dim ** -0.5})
+    batch = gpu.batch()
+    bound.dispatch(batch)
+    batch.submit()
+    raw = loop.run_until_complete(gpu.read(out, q.nbytes))
+    bound.release()
+    return np.frombuffer(raw, NP_DTYPE[dtype]).reshape(q.shape)
+
+
+@pytest.mark.parametrize("shape,dtype", TEST_PREFILL_ATTENTION,
+                         ids=[f"d{s.head_dim}-g{s.group}-{d}" for s, d in TEST_PREFILL_ATTENTION])
+def test_prefill_attention_matches_f64(loop, gpu, test_library, shape, dtype):
+    """Every (cached prefix, chunk) case; stale NaNs in the pages' unused slots must not leak."""
+    skip_without_f16(gpu, dtype)
+    kernel = loop.run_until_complete(test_library.kernel(prefill_attention_kernel_name(shape, dtype)))
+    rng = np.random.default_rng(shape.head_dim * 10 + shape.group)
+    for start, n in CASES:
+        length = start + n
+        k = rng.standard_normal((shape.num_kv_heads, length, shape.head_dim)).astype(NP_DTYPE[dtype])
+        v = rng.standard_normal((shape.num_kv_heads, length, shape.head_dim)).astype(NP_DTYPE[dtype])
+        q = (2 * rng.standard_normal((n, shape.num_qo_heads, shape.head_dim))).astype(NP_DTYPE[dtype])
+        out = run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng)
+        ref = prefill_attention_f64(q, k, v, start, shape.head_dim ** -0.5)
+        assert np.isfinite(out).all(), f"start {start}, n {n}: non-finite output"
+        close_to(out.astype(np.float64), ref, dtype, f"start {start}, n {n}")
+
+
+def test_prefill_attention_tiles_fit_the_default_limits():
+    """Tiles of two pages at head_dim 64 and one at 128 fill exactly WebGPU's default 16 KiB; head_dim
+    256 (128 registers of q and O a thread) is refused at build."""
+    assert prefill_layout(64) == {"tile_keys": 32, "workgroup_storage": 16384}
+    assert prefill_layout(128) == {"tile_keys": 16, "workgroup_storage": 16384}
+    with pytest.raises(ValueError):
+        prefill_layout(256)
+
+
+# -- tiled matmul ------------------------------------------------------------------------------------
+def random_q4(rng, rows, cols):
+    codes = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
+    scale = (rng.random((rows, cols // 32)) * 0.05).astype(np.float32)
+    minv = (-rng.random((rows, cols // 32)) * 0.4).astype(np.float32)
+    return pack_q4(codes), scale, minv
+
+
+@pytest.mark.parametrize("flags", list(TEST_PREFILL_MATMULS))
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
+    """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile."""
+    skip_without_f16(gpu, dtype)
+    out_features, in_features, residual, norm, swiglu = TEST_PREFILL_MATMULS[flags]
+    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype)))
+    rng = np.random.default_rng(len(flags))
+    words, scale, minv = random_q4(rng, out_features, in_features)
+    w = dequant_q4(words, scale, minv).astype(np.float64)
+    norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32)
+    columns = out_features // 2 if swiglu else out_features
+    for n in (1, 37, 128, 300):
+        x = rng.standard_normal((n, in_features)).astype(NP_DTYPE[dtype])
+        resid = rng.standard_normal((n, columns)).astype(NP_DTYPE[dtype])
+        xf = x.astype(np.float64)
+        if norm:
+            xf = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5) * norm_weight
+        ref = xf @ w.T
+        if swiglu:
+            gate, up = ref[:, :columns], ref[:, columns:]
+            ref = gate / (1 + np.exp(-gate)) * up
+        if residual:
+            ref = ref + resid
+
+        def upload(array):
+            return gpu.storage_buffer(array.nbytes, np.ascontiguousarray(array).tobytes())
+
+        y = gpu.storage_buffer(n * columns * x.itemsize)
+        buffers = {"x": upload(x), "w": upload(words), "scale": upload(scale), "wmin": upload(minv), "y": y}
+        if norm:
+            buffers["norm"] = upload(norm_weight)
+        if residual:
+            buffers["resid"] = upload(resid)
+        bound = kernel.bind(buffers, {"n": n})
+        batch = gpu.batch()
+        bound.dispatch(batch)
+        batch.submit()
+        out = np.frombuffer(loop.run_until_complete(gpu.read(y, n * columns * x.itemsize)), NP_DTYPE[dtype])
+        bound.release()
+        close_to(out.reshape(n, columns).astype(np.float64), ref, dtype, f"{flags} n={n}")
