@@ -30,9 +30,10 @@ from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 # Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
 # A GPU wants large chunks: the prefill kernels' tiles (128 tokens x 64 weight rows, 64 query rows)
-# fill its SMs only from a few thousand tokens on. A CPU rasterizer has no idle cores to fill, and
-# smaller chunks keep the page responsive there.
-GPU_PREFILL_CHUNK = 2048
+# fill its SMs only from a few thousand tokens on (H200, `python -m app bench prefill`: 3,000 tokens
+# at 26k tok/s in chunks of 2,048, 35k in one of 4,096). A CPU rasterizer has no idle cores to fill,
+# and smaller chunks keep the stop button responsive there.
+GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 256
 # Passes in flight at once: a decode step is submitted before the previous step's id is read back.
 PIPELINE_DEPTH = 2

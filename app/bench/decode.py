@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
 from model_glue.model import GREEDY, LlamaModel, Sampling, generate
 from model_glue.webgpu import WgpuDevice
+
+WARMUP_SECONDS = 3.0
 
 
 async def run_decode_bench(args) -> dict:
@@ -44,12 +47,17 @@ async def run_decode_bench(args) -> dict:
     # with --sample also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
     modes = [("auto", None), ("auto", "shards"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
-    # Warm-up: first use of each pipeline and buffer costs extra on some drivers.
-    for attention, override in modes:
-        model.reset()
-        await model.force_variant(None if override == "sample" else override)
-        await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)], max_new_tokens=4,
-                       attention=attention, sampling=sampled if override == "sample" else GREEDY)
+    # Warm-up: first use of each pipeline and buffer costs extra on some drivers, and a GPU's clocks
+    # ramp up only under sustained work (the H200 idles at 345 MHz): at least WARMUP_SECONDS of runs.
+    warmup_until = time.perf_counter() + WARMUP_SECONDS
+    while True:
+        for attention, override in modes:
+            model.reset()
+            await model.force_variant(None if override == "sample" else override)
+            await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)],
+                           max_new_tokens=16, attention=attention, sampling=sampled if override == "sample" else GREEDY)
+        if time.perf_counter() >= warmup_until:
+            break
     rows = []
     for context in args.contexts:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]

@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import time
 
 from model_glue.artifact import KernelLibrary, folder_readers
 from model_glue.model import LlamaModel, generate
 from model_glue.webgpu import WgpuDevice
+
+WARMUP_SECONDS = 3.0
 
 
 def matmul_flops_per_token(c) -> int:
@@ -54,11 +57,16 @@ async def run_prefill_bench(args) -> dict:
     rows = []
     for chunk in chunks:
         model.prefill_chunk = chunk
-        # warm-up: first dispatches compile on some drivers, and a GPU's clocks ramp up
-        for _ in range(args.warmup):
+        # warm-up: first dispatches compile on some drivers, and a GPU's clocks ramp up only under
+        # sustained work (the H200 idles at 345 MHz): --warmup runs, and the first chunk size for
+        # at least WARMUP_SECONDS
+        warmup_until = time.perf_counter() + (WARMUP_SECONDS if chunk == chunks[0] else 0)
+        runs = 0
+        while runs < args.warmup or time.perf_counter() < warmup_until:
             model.reset()
             await generate(model, [rng.randrange(3, c.vocab_size) for _ in range(min(max(args.prompts), 2 * chunk))],
                            max_new_tokens=1)
+            runs += 1
         for prompt_len in args.prompts:
             prompt = [rng.randrange(3, c.vocab_size) for _ in range(prompt_len)]
             best = None
