@@ -83,16 +83,16 @@ async def run_prefill_bench(args) -> dict:
             row = {"prompt": prompt_len, "chunk": chunk, "passes": count, "tok_s": round(prompt_len / ttft * 1e3, 1),
                    "ttft_ms": round(ttft, 2), "gpu_ms": gpu and round(gpu, 3), "attention_ms": attn and round(attn, 3),
                    "rest_ms": rest and round(rest, 3),
-                   "attention_tflops": attn and round(attention_flops(c, prompt_len) / attn / 1e9, 2),
-                   "rest_tflops": rest and round(matmul_flops_per_token(c) * prompt_len / rest / 1e9, 2)}
+                   "attention_tflops": attn and round(attention_flops(c, prompt_len) / attn / 1e9, 4),
+                   "rest_tflops": rest and round(matmul_flops_per_token(c) * prompt_len / rest / 1e9, 4)}
             rows.append(row)
 
             def show(value, digits=1):
                 return "-" if value is None else f"{value:.{digits}f}"
 
             print(f"{prompt_len:>6} {chunk:>5} {count:>6} {row['tok_s']:>9.1f} {ttft:>8.1f} {show(gpu):>8} "
-                  f"{show(attn):>8} {show(rest):>8} {show(row['attention_tflops'], 2):>12} "
-                  f"{show(row['rest_tflops'], 2):>12}", flush=True)
+                  f"{show(attn):>8} {show(rest):>8} {show(row['attention_tflops'], 3):>12} "
+                  f"{show(row['rest_tflops'], 3):>12}", flush=True)
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
