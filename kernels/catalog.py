@@ -127,7 +127,7 @@ def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
                         (shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, dtype),
                         {"kind": "prefill_attention", "num_kv_heads": shape.num_kv_heads,
                          "num_qo_heads": shape.num_qo_heads, "head_dim": shape.head_dim, "dtype": dtype,
-                         **prefill_layout(shape.head_dim)}, buffers=PREFILL_ATTENTION_BUFFERS)
+                         **prefill_layout(shape.head_dim, dtype)}, buffers=PREFILL_ATTENTION_BUFFERS)
 
 
 def _role_args(role: str, c: LlamaConfig, dtype: str) -> tuple:

@@ -13,8 +13,9 @@ FlashAttention-2 in WebGPU's default limits (256 invocations, 16 KiB of workgrou
 
 - A workgroup owns ROWS = 64 query rows of one KV head; row r is (token r // G, head r % G), so the
   K/V tile it stages serves the whole GQA group, and its rows are consecutive tokens.
-- K/V come in tiles of TILE_KEYS positions (two pages at head_dim 64, one at 128), converted to f32
-  in workgroup memory once for all 64 rows. Vector c of key k sits at k * D/4 + (c XOR k % KEY_LANES):
+- K/V come in tiles of TILE_KEYS positions (two pages at head_dim 64 in f16), staged in workgroup
+  memory once for all 64 rows, in `dtype` (f16 halves the bytes each read moves: the bound, see below).
+  Vector c of key k sits at k * D/4 + (c XOR k % KEY_LANES):
   the KEY_LANES lanes that read vector c of their keys at the same time hit different banks. The
   tile loop stops at the workgroup's last query position (tiles above the diagonal are never
   loaded) and is software-pipelined: tile t + 1 is read into registers while tile t is computed.
@@ -25,8 +26,9 @@ FlashAttention-2 in WebGPU's default limits (256 invocations, 16 KiB of workgrou
 - At the end the KEY_LANES states of a row merge: (max, denominator) through workgroup memory, then
   O one 4-dim column per round, written by one lane of the row.
 
-Workgroup storage: one f32x4 array, the K and V tiles in the loop (2 * TILE_KEYS * D/4 vectors) and
-the merge's statistics and O stage after it (2 * 256 vectors): 16 KiB at head_dim 64 and 128.
+Workgroup storage: the K and V tiles (2 * TILE_KEYS * D/4 vectors of `dtype`) and the merge's
+statistics and O stage (2 * 256 f32x4, 8 KiB): 16 KiB. Each K/V vector read from workgroup memory
+feeds one vector FMA, so on a GPU the kernel is bound by workgroup-memory bandwidth, not FMA.
 (Holding two rows a thread, to read each K/V vector once for both, measured slower on the H200:
 their q and O no longer fit the registers.)
 """
@@ -36,21 +38,22 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from kernels.paged_kv import LOG2_E, MASKED_ROW, MASKED_SCORE, VEC, lane_sum
-from model_glue.contract import MAX_INVOCATIONS, PAGE_SIZE, WORKGROUP_STORAGE_BYTES
+from model_glue.contract import DTYPE_BYTES, MAX_INVOCATIONS, PAGE_SIZE, WORKGROUP_STORAGE_BYTES
 
 ROWS = 64  # query rows (token, head) per workgroup
 KEY_LANES = MAX_INVOCATIONS // ROWS  # threads per row, each over every KEY_LANES-th key of a tile
 VEC_BYTES = 16  # an f32x4 in workgroup memory
 
 
-def prefill_layout(head_dim: int, page_size: int = PAGE_SIZE) -> dict:
-    """The largest K/V tile (keys) whose f32 K and V fit the default 16 KiB, and the storage it takes."""
+def prefill_layout(head_dim: int, dtype: str, page_size: int = PAGE_SIZE) -> dict:
+    """The largest K/V tile (keys) whose K and V (in `dtype`) fit the default 16 KiB beside the
+    merge's stage, and the storage it takes."""
     if head_dim % VEC or head_dim // VEC > 32:
         raise ValueError(f"prefill attention keeps D / 4 vectors of q and O per thread in registers: head_dim "
                          f"{head_dim} must be a multiple of 4, at most 128")
     cols = head_dim // VEC
     for tile_keys in (32, 16, 8, 4):
-        storage = max(2 * tile_keys * cols, 2 * MAX_INVOCATIONS) * VEC_BYTES
+        storage = 2 * tile_keys * cols * VEC * DTYPE_BYTES[dtype] + 2 * MAX_INVOCATIONS * VEC_BYTES
         whole_pages = tile_keys % page_size == 0 or page_size % tile_keys == 0
         if whole_pages and tile_keys % KEY_LANES == 0 and storage <= WORKGROUP_STORAGE_BYTES:
             return {"tile_keys": tile_keys, "workgroup_storage": storage}
@@ -62,7 +65,7 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     G = H_qo // H_kv
     COLS = D // VEC  # f32x4 vectors per q, K, V or O row
-    TILE_KEYS = prefill_layout(D, page_size)["tile_keys"]
+    TILE_KEYS = prefill_layout(D, dtype, page_size)["tile_keys"]
     KEYS_PER_LANE = TILE_KEYS // KEY_LANES
     TILE_VECTORS = TILE_KEYS * COLS  # of K (and as many of V) per tile
     STAGE_TRIPS = (2 * TILE_VECTORS + MAX_INVOCATIONS - 1) // MAX_INVOCATIONS
@@ -70,7 +73,6 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
     # the one workgroup array: K and V tiles in the loop; every thread's statistics, then O stage, after it
     K_AT, V_AT = 0, TILE_VECTORS
     STATE_AT, STAGE_AT = 0, MAX_INVOCATIONS
-    SMEM_VECTORS = max(2 * TILE_VECTORS, 2 * MAX_INVOCATIONS)
     assert H_qo % H_kv == 0
 
     def tile_slot(key, c):
@@ -106,7 +108,8 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
                     with T.sblock("prefill_attention"):
                         T.reads()  # a scheduled kernel: skip region inference over let-bound indices
                         T.writes()
-                        smem = T.sblock_alloc_buffer((SMEM_VECTORS,), "float32x4", scope="shared")
+                        tiles_mem = T.sblock_alloc_buffer((2 * TILE_VECTORS,), VEC_DTYPE, scope="shared")
+                        smem = T.sblock_alloc_buffer((2 * MAX_INVOCATIONS,), "float32x4", scope="shared")
                         q_reg = T.sblock_alloc_buffer((COLS,), "float32x4", scope="local")
                         o_reg = T.sblock_alloc_buffer((COLS,), "float32x4", scope="local")
                         staged = T.sblock_alloc_buffer((STAGE_TRIPS,), VEC_DTYPE, scope="local")  # the next tile
@@ -142,10 +145,10 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
                                     key: T.let[T.int32] = e % TILE_VECTORS // COLS
                                     c: T.let[T.int32] = e % COLS
                                     if e < TILE_VECTORS:
-                                        smem[K_AT + tile_slot(key, c)] = T.Cast("float32x4", staged[trip])
+                                        tiles_mem[K_AT + tile_slot(key, c)] = staged[trip]
                                     else:
-                                        smem[V_AT + tile_slot(key, c)] = T.if_then_else(
-                                            key0 + key < kv_len, T.Cast("float32x4", staged[trip]), T.Broadcast(T.float32(0), VEC))
+                                        tiles_mem[V_AT + tile_slot(key, c)] = T.if_then_else(
+                                            key0 + key < kv_len, staged[trip], T.Broadcast(T.Cast(dtype, 0), VEC))
                             if tile + 1 < tiles:
                                 fetch_tile(staged, pages, page_ids, tile + 1, tid, kv_head)
                             # Scores of this lane's keys j * KEY_LANES + lane, masked above the diagonal.
@@ -153,7 +156,7 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
                                 dot[j] = T.Broadcast(T.float32(0), VEC)
                             for c in T.unroll(COLS):
                                 for j in T.unroll(KEYS_PER_LANE):
-                                    dot[j] = dot[j] + q_reg[c] * smem[K_AT + tile_slot(j * KEY_LANES + lane, c)]
+                                    dot[j] = dot[j] + q_reg[c] * T.Cast("float32x4", tiles_mem[K_AT + tile_slot(j * KEY_LANES + lane, c)])
                             for j in T.unroll(KEYS_PER_LANE):
                                 score[j] = T.if_then_else(key0 + j * KEY_LANES + lane <= start + token, lane_sum(dot[j]),
                                                           T.float32(MASKED_ROW))
@@ -170,7 +173,7 @@ def prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype
                             for c in T.unroll(COLS):
                                 acc[0] = o_reg[c] * T.Broadcast(state[3], VEC)
                                 for j in T.unroll(KEYS_PER_LANE):
-                                    acc[0] = acc[0] + T.Broadcast(score[j], VEC) * smem[V_AT + tile_slot(j * KEY_LANES + lane, c)]
+                                    acc[0] = acc[0] + T.Broadcast(score[j], VEC) * T.Cast("float32x4", tiles_mem[V_AT + tile_slot(j * KEY_LANES + lane, c)])
                                 o_reg[c] = acc[0]
 
                         # Merge the row's KEY_LANES states. Lane 0 saw position 0, so the row's

@@ -96,12 +96,14 @@ def test_prefill_attention_matches_f64(loop, gpu, test_library, shape, dtype):
 
 
 def test_prefill_attention_tiles_fit_the_default_limits():
-    """Tiles of two pages at head_dim 64 and one at 128 fill exactly WebGPU's default 16 KiB; head_dim
-    256 (128 registers of q and O a thread) is refused at build."""
-    assert prefill_layout(64) == {"tile_keys": 32, "workgroup_storage": 16384}
-    assert prefill_layout(128) == {"tile_keys": 16, "workgroup_storage": 16384}
+    """K/V tiles of two pages (head_dim 64, f16) down to half a page (128, f32) beside the merge's
+    8 KiB fill exactly WebGPU's default 16 KiB; head_dim 256 (128 registers of q and O a thread) is
+    refused at build."""
+    for head_dim, dtype, tile_keys in ((64, "float16", 32), (64, "float32", 16), (128, "float16", 16),
+                                       (128, "float32", 8)):
+        assert prefill_layout(head_dim, dtype) == {"tile_keys": tile_keys, "workgroup_storage": 16384}
     with pytest.raises(ValueError):
-        prefill_layout(256)
+        prefill_layout(256, "float16")
 
 
 # -- tiled matmul ------------------------------------------------------------------------------------
