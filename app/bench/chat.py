@@ -12,14 +12,11 @@ the converted model; the speed does not depend on the weights).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
+from app.bench.inputs import bench_inputs
 from app.chat import ChatSession
-from model_glue.artifact import KernelLibrary, folder_readers
-from model_glue.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from model_glue.webgpu import WgpuDevice
+from model_glue.artifact import folder_readers
 
 LONG_DOCUMENT = Path(__file__).resolve().parents[2] / "static" / "long_document.txt"
 FOLLOW_UPS = ["Who kept the ledger after Edda Voss died?", "Why did the flood in the quarry year break the pattern?",
@@ -32,19 +29,9 @@ def conversation(turns: int) -> list[str]:
 
 
 async def run_chat_bench(args) -> dict:
-    device = await WgpuDevice.open()
-    library = await KernelLibrary.from_folder(device, args.kernels)
-    model_dir = args.model
-    if args.synthetic:
-        from convert.weights import write_random_artifact
-
-        model_dir = Path(tempfile.mkdtemp(prefix="smollm2-synthetic-"))
-        write_random_artifact("smollm2_135m", model_dir, seed=0)
-        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-            shutil.copy(args.model / name, model_dir / name)
+    device, library, model_dir, weights = await bench_inputs(args, tokenizer=True)
     chat = await ChatSession.load(device, library, folder_readers(model_dir),
                                   dtype=None if args.dtype == "auto" else args.dtype)
-    weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {chat.model.dtype}; attention auto; "
           f"{args.turns} turns of up to {args.max_tokens} tokens; wall-clock times", flush=True)
     turns = conversation(args.turns)

@@ -12,31 +12,22 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 import time
 
-from model_glue.artifact import KernelLibrary, folder_readers
+from app.bench.inputs import bench_inputs
+from model_glue.artifact import folder_readers
 from model_glue.model import GREEDY, LlamaModel, Sampling, generate
-from model_glue.webgpu import WgpuDevice
 
 WARMUP_SECONDS = 3.0
 
 
 async def run_decode_bench(args) -> dict:
-    device = await WgpuDevice.open()
-    library = await KernelLibrary.from_folder(device, args.kernels)
-    model_dir = args.model
-    if args.synthetic:
-        from convert.weights import write_random_artifact
-
-        model_dir = tempfile.mkdtemp(prefix="smollm2-synthetic-")
-        write_random_artifact("smollm2_135m", model_dir, seed=0)
+    device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
     warmup_prompt = 300  # tokens: the warm-up crosses the switch to the sharded family
     max_context = max(*args.contexts, warmup_prompt) + args.steps + 4
     model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
                                   dtype=None if args.dtype == "auto" else args.dtype)
-    weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
           f"norms and SwiGLU {'folded' if model.fold_norms else 'apart'}", flush=True)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 import time
 
-from model_glue.artifact import KernelLibrary, folder_readers
+from app.bench.inputs import bench_inputs
+from model_glue.artifact import folder_readers
 from model_glue.model import LlamaModel, generate
-from model_glue.webgpu import WgpuDevice
 
 WARMUP_SECONDS = 3.0
 
@@ -35,20 +34,12 @@ def attention_flops(c, prompt: int, cached: int = 0) -> int:
 
 
 async def run_prefill_bench(args) -> dict:
-    device = await WgpuDevice.open()
-    library = await KernelLibrary.from_folder(device, args.kernels)
-    model_dir = args.model
-    if args.synthetic:
-        from convert.weights import write_random_artifact
-
-        model_dir = tempfile.mkdtemp(prefix="smollm2-synthetic-")
-        write_random_artifact("smollm2_135m", model_dir, seed=0)
+    device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
     model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max(args.prompts) + 16,
                                   dtype=None if args.dtype == "auto" else args.dtype)
     c = model.config
     chunks = args.chunks or [model.prefill_chunk]
-    weights = "synthetic SmolLM2-shaped" if args.synthetic else str(model_dir)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; GPU time: "
           f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.prefill_chunk}", flush=True)
     print(f"{'prompt':>6} {'chunk':>5} {'passes':>6} {'tok/s':>9} {'TTFT ms':>8} {'GPU ms':>8} {'attn ms':>8} "
@@ -73,7 +64,7 @@ async def run_prefill_bench(args) -> dict:
             for _ in range(args.repeats):
                 model.reset()
                 run = await generate(model, prompt, max_new_tokens=1)
-                passes = [s for s in run.stats if s.kind == "prefill" or s.tokens > 1]
+                passes = [s for s in run.stats if s.kind == "prefill"]
                 gpu = None if any(s.gpu_ms is None for s in passes) else sum(s.gpu_ms for s in passes)
                 attn = None if any(s.attention_ms is None for s in passes) else sum(s.attention_ms for s in passes)
                 if best is None or run.prefill_ms < best[0]:
