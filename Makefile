@@ -8,8 +8,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYODIDE_VERSION := 314.0.7
 WHEEL := static/pyodide/sharded_decode_demo-0.1.0-py3-none-any.whl
-SOURCES := $(shell find app convert kernels model_glue -name '*.py') pyproject.toml
-CONTRACT := model_glue/contract.py
+SOURCES := $(shell find contract model_glue chat -name "*.py") pyproject.toml
+CONTRACT := $(wildcard contract/*.py)
 export XDG_RUNTIME_DIR ?= /tmp
 export PYTHONUNBUFFERED := 1
 
@@ -21,7 +21,7 @@ demo: setup
 TEST_KERNELS := build/test-kernels/manifest.json
 
 test: setup $(TEST_KERNELS)
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=15
 
 test-slow: setup
 	$(PY) -m pytest -q -rs -m slow

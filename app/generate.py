@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
-from app.chat import ChatSession
+from chat.session import ChatSession
 from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
-from model_glue.model import ModelError, Sampling
+from model_glue.errors import ModelError
+from model_glue.generate import Sampling
+from model_glue.options import RunOptions
 from model_glue.webgpu import DeviceLostError, WebGPUUnavailable, WgpuDevice
 
 
@@ -41,7 +43,7 @@ async def run_generate(args) -> int:
                                       progress=lambda m: print(f"[{m}]", file=sys.stderr))
         print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, attention=args.attention,
+        result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=RunOptions(attention=args.attention),
                                   sampling=sampling, on_text=lambda piece: print(piece, end="", flush=True))
     except (ModelError, ArtifactError, WebGPUUnavailable, DeviceLostError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

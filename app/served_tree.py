@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from model_glue.contract import MODEL_ARTIFACT_FORMAT
+from contract.artifacts import MODEL_ARTIFACT_FORMAT
 
 PROJECT_PACKAGE = "sharded-decode-demo"  # the name the page passes to pyodide.loadPackage
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip")

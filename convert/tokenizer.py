@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from convert.gguf_fields import gguf_field, open_gguf
-from model_glue.contract import TOKENIZER_CONFIG_FILE
+from contract.artifacts import TOKENIZER_CONFIG_FILE
 
 # llama.cpp's token types (gguf.TokenType): CONTROL and USER_DEFINED tokens are never split by BPE.
 TOKEN_TYPE_CONTROL = 3

@@ -1,7 +1,7 @@
 """Host-side converter: a llama GGUF (Q4_1 matrices, Q8_0 tied embedding) -> the WebGPU weight artifact.
 
 This module runs on the build machine only (it needs numpy and gguf); nothing the browser loads
-imports it. The model configs it may write are the contract's (model_glue.contract.MODEL_CONFIGS):
+imports it. The model configs it may write are the contract's (contract.model.ALL_MODEL_CONFIGS):
 a GGUF whose shape is not the named config is refused, since no kernels exist for it. The GPU kernels read the artifact's packing directly, so the format here is a contract:
 
 * `weights.bin` -- every tensor back to back, each starting at a 256-byte aligned offset (WebGPU
@@ -36,8 +36,12 @@ import numpy as np
 
 from convert.gguf_fields import gguf_field, open_gguf
 
-from model_glue.contract import (MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, MODEL_CONFIGS, WEIGHTS_FILE,
-                                 LlamaConfig)
+from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
+from contract.model import ALL_MODEL_CONFIGS, LlamaConfig
+
+# The context a model was trained for, when its GGUF does not say (SmolLM2's says 8,192); random
+# artifacts get it too. A run may ask for less (model_glue.options.RunOptions.max_context).
+DEFAULT_CONTEXT_LENGTH = 8192
 
 ALIGN = 256
 QBLOCK = 32  # elements per Q4_1 / Q8_0 block
@@ -146,7 +150,8 @@ def _dtype_name(arr: np.ndarray) -> str:
 
 
 def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
-                   tensors: Iterable[tuple[str, np.ndarray]], log: Callable[[str], None] = lambda s: None) -> dict:
+                   tensors: Iterable[tuple[str, np.ndarray]], log: Callable[[str], None] = lambda s: None,
+                   context_length: int = DEFAULT_CONTEXT_LENGTH) -> dict:
     """Stream `tensors` into weights.bin (256-byte aligned) and then write manifest.json atomically.
 
     Any existing manifest is removed first, so a crash mid-write never leaves a manifest that
@@ -179,7 +184,7 @@ def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
             offset += len(data)
     os.replace(tmp_weights, out / WEIGHTS_FILE)
     manifest = {"format": MODEL_ARTIFACT_FORMAT, "kind": MODEL_ARTIFACT_KIND, "config_name": config_name,
-                "config": config.to_dict(), "source": source,
+                "config": config.to_dict(), "context_length": context_length, "source": source,
                 "tensors": entries, "weights_file": WEIGHTS_FILE, "total_bytes": offset,
                 "weights_sha256": whole.hexdigest()}
     tmp_manifest = out / (MANIFEST + ".tmp")
@@ -274,8 +279,6 @@ def gguf_config(reader) -> LlamaConfig:
         rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         # float32 metadata: round to the value llama.cpp means (9.99999974738e-06 -> 1e-05)
         rms_eps=round(float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")), 12),
-        bos_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_id=int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
     )
 
 
@@ -359,13 +362,15 @@ def convert_gguf(gguf_path, out_dir, config_name: str = "smollm2_135m", log: Cal
     path = Path(gguf_path)
     reader = open_gguf(path)
     config = gguf_config(reader)
-    expected = MODEL_CONFIGS[config_name]
-    if config.kernel_shape() != expected.kernel_shape():
+    expected = ALL_MODEL_CONFIGS[config_name]
+    if config != expected:
         raise ConvertError(f"{path.name} has shape {config}, but the contract's {config_name!r} is {expected} "
-                           "(model_glue/contract.py); add a config there to convert another model")
+                           "(contract/model.py); add a config there to convert another model")
     log(f"converting {path.name}: {config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}")
     source = {"file": path.name, "sha256": _sha256_file(path)}
-    manifest = write_artifact(out_dir, config_name, config, source, _iter_gguf_artifact(reader, config, log), log)
+    context_length = int(gguf_field(reader, "llama.context_length", DEFAULT_CONTEXT_LENGTH))
+    manifest = write_artifact(out_dir, config_name, config, source, _iter_gguf_artifact(reader, config, log), log,
+                              context_length)
     log(f"artifact {manifest['total_bytes'] / 2**20:.1f} MiB ({manifest['total_bytes']} bytes) "
         f"in {time.perf_counter() - t0:.1f} s")
     return manifest
@@ -436,6 +441,6 @@ def write_random_artifact(config_name: str, out_dir, seed: int = 0) -> dict:
     Lets runtime/kernel tests run on a tiny model without the GGUF ("tiny_llama", "tiny_chat"),
     and benchmarks run on a SmolLM2-shaped model ("smollm2_135m").
     """
-    config = MODEL_CONFIGS[config_name]
+    config = ALL_MODEL_CONFIGS[config_name]
     source = {"file": None, "sha256": None, "random_seed": seed}
     return write_artifact(out_dir, config_name, config, source, _iter_random_artifact(config, seed))

@@ -4,7 +4,7 @@ TVM's WGSL codegen binds the device kernel's handle parameters as storage buffer
 order, then one uniform struct `PODArgs` holding the scalar parameters (4 bytes each) followed by
 `packGridDimX: u32`. The launch extents (grid and workgroup size) are `thread_extent` attributes in
 the kernel body, written in terms of the same scalar variables. This module turns all of that into
-one `KernelSpec` (model_glue.contract documents its fields), the manifest entry the runtime
+one `KernelSpec` (contract.artifacts documents its fields), the manifest entry the runtime
 dispatches from without TVM and without parsing WGSL.
 """
 
@@ -15,7 +15,7 @@ import re
 import tvm
 from tvm import tirx
 
-from model_glue.contract import BufferSpec, KernelSpec
+from contract.artifacts import BufferSpec, KernelSpec
 
 # JSON expression trees: an int, a variable name, or [op, lhs, rhs].
 _BINARY_OPS = {

@@ -16,8 +16,8 @@ import tvm
 from tvm import tirx
 
 from kernels.abi import kernel_spec
-from model_glue.contract import (KERNEL_ARTIFACT_FORMAT, MANIFEST, MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES,
-                                 KernelSpec)
+from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
+from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
 
@@ -33,15 +33,14 @@ class BuiltKernel:
     wgsl: str
 
 
-def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
-                 max_workgroup_storage: int = WORKGROUP_STORAGE_BYTES,
-                 buffers: tuple[str, ...] | None = None, subgroups: bool = False) -> BuiltKernel:
+def build_kernel(name: str, func: tirx.PrimFunc, meta: dict, buffers: tuple[str, ...],
+                 max_workgroup_storage: int = WORKGROUP_STORAGE_BYTES, subgroups: bool = False) -> BuiltKernel:
     """Lower `func` for WebGPU (with subgroup operations if `subgroups`) and return its WGSL and
     manifest entry.
 
     Fails when the kernel needs more than WebGPU's default invocations or `max_workgroup_storage`,
-    so a kernel that would only run on generous adapters never reaches the artifact, and, when
-    `buffers` is given, unless the kernel binds exactly those names (the runtime binds by them).
+    so a kernel that would only run on generous adapters never reaches the artifact, and unless the
+    kernel binds exactly the names `buffers` (its spec's: the runtime binds by them).
     """
     target = WEBGPU_SUBGROUPS_TARGET if subgroups else WEBGPU_TARGET
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -66,20 +65,20 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict | None = None,
         (gvar, kernel), = kernels
         wgsl = _tir_build.codegen_build(device_mod, device_target).inspect_source()
 
-    spec = kernel_spec(name, func, gvar.name_hint, kernel, wgsl, meta or {})
+    spec = kernel_spec(name, func, gvar.name_hint, kernel, wgsl, meta)
     if spec.invocations > MAX_INVOCATIONS:
         raise ValueError(f"{name}: {spec.invocations} invocations per workgroup > {MAX_INVOCATIONS}")
     if spec.workgroup_storage_bytes > max_workgroup_storage:
         raise ValueError(f"{name}: {spec.workgroup_storage_bytes} bytes of workgroup storage > {max_workgroup_storage}")
-    if buffers is not None and sorted(spec.buffer_names) != sorted(buffers):
-        raise ValueError(f"{name}: the kernel binds {spec.buffer_names}, but the runtime binds {list(buffers)} "
-                         "(model_glue.contract.LLAMA_ROLES)")
+    if sorted(spec.buffer_names) != sorted(buffers):
+        raise ValueError(f"{name}: the kernel binds {spec.buffer_names}, but its spec says the runtime binds "
+                         f"{list(buffers)} (contract.kernels)")
     spec.compile_seconds = round(time.perf_counter() - started, 3)
     return BuiltKernel(spec, wgsl)
 
 
 def _build_recipe(recipe):
-    built = build_kernel(recipe.name, recipe.make(), recipe.meta, recipe.max_workgroup_storage, recipe.buffers,
+    built = build_kernel(recipe.name, recipe.make(), recipe.meta, recipe.buffers, recipe.max_workgroup_storage,
                          recipe.subgroups)
     meta = built.spec.meta
     if meta.get("kind") == "decode_attention" and meta["nest"] == "tiled":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from kernels.paged_kv import MASKED_SCORE, VEC
-from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
+from contract.kernels import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
 
 STATS = 2  # partial_stats[..., 0] = max, [..., 1] = denominator
 

@@ -55,8 +55,8 @@ from tvm.script import tirx as T
 
 from kernels.paged_kv import (LOG2_E, MASKED_SCORE, VEC, kv_len_of, lane_sum, partner_chunk, pow2_floor, rope_rotate,
                               seq_offset_of)
-from model_glue.contract import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
-from model_glue.contract import PAGE_SIZE
+from contract.kernels import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
+from contract.kernels import PAGE_SIZE
 
 LANE_DIMS = 64  # q and O dims each lane keeps in registers
 LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers

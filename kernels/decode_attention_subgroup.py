@@ -43,8 +43,8 @@ from tvm.script import tirx as T
 
 from kernels.paged_kv import (LOG2_E, MASKED_ROW, MASKED_SCORE, VEC, broadcast, kv_len_of, lane_of, pow2_floor,
                               rope_cos_sin, seq_offset_of)
-from model_glue.contract import MAX_INVOCATIONS
-from model_glue.contract import PAGE_SIZE
+from contract.kernels import MAX_INVOCATIONS
+from contract.kernels import PAGE_SIZE
 
 STAGE_BYTES = 8192  # the O merge stage
 STATS = 2  # partial_stats[..., 0] = max, [..., 1] = denominator

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tvm
 
-from model_glue.contract import PAGE_SIZE
+from contract.kernels import PAGE_SIZE
 
 _WEBGPU = tvm.target.Target("webgpu")
 

@@ -6,14 +6,14 @@ Weights use the artifact's packing (convert/weights.py): a Q4 matrix W[out, in] 
 `scale` f32 [vocab, dim/32]. Activations are `dtype` (f16 where the adapter has shader-f16, f32
 otherwise); every sum accumulates in f32.
 
-Each builder takes the shape parameters and returns one PrimFunc; `n` (tokens) is symbolic.
+Each builder takes the shape parameters (the matmul: its contract.kernels.MatmulSpec) and returns one PrimFunc; `n` (tokens) is symbolic.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from model_glue.contract import PAGE_SIZE
+from contract.kernels import PAGE_SIZE, MatmulSpec
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -93,15 +93,13 @@ def rms_norm(dim: int, eps: float, dtype: str):
     return rms_norm_kernel
 
 
-def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_format: str,
-                     tokens_per_group: int, residual: bool, out_dtype: str | None = None,
-                     norm_eps: float | None = None, swiglu: bool = False):
+def quantized_matmul(spec: MatmulSpec):
     """y[n, out] = x[n, in] @ W^T (+ resid), W in the q4 or q8 packing; optionally with the
     RMSNorm before it and the SwiGLU after it folded in, so neither is a dispatch of its own.
 
     256 invocations = ROWS (8) weight rows x LANES (32) lanes; a lane walks the row's packed words
     with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once and
-    applies it to TOKENS tokens (the artifact builds 1: the decode step and the head; prefill passes
+    applies it to the TOKENS tokens of its workgroup (1: the decode step and the head; prefill passes
     run kernels.prefill_matmul, which tiles tokens as well as rows). The 32
     lane partials of each (row, token) meet in workgroup memory behind one barrier.
     (A barrier-free one-row-per-invocation variant was measured no faster on lavapipe.)
@@ -121,8 +119,11 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
     1.1 + 0.1 ms apart; gate/up with SwiGLU 4.3 ms against 3.4 + 0.06 ms: two row streams per
     workgroup instead of one), so CPU rasterizers run rms_norm, the plain matmul and swiglu.
     """
+    assert not spec.tiled
+    out_features, in_features, dtype, weight_format = spec.out_features, spec.in_features, spec.dtype, spec.weights
+    residual, norm_eps, swiglu = spec.residual, spec.norm_eps, spec.swiglu
     ROWS, LANES = 8, 32
-    TOKENS = tokens_per_group
+    TOKENS = 1  # tokens per workgroup: decode passes and the head run one
     PER_WORD = 8 if weight_format == "q4" else 4
     WORDS = in_features // PER_WORD
     WORD_TRIPS = (WORDS + LANES - 1) // LANES
@@ -130,7 +131,7 @@ def quantized_matmul(out_features: int, in_features: int, dtype: str, weight_for
     COLUMNS_PER_GROUP = ROWS // 2 if swiglu else ROWS  # a gate row and its up row make one column
     SQUARES = ROWS * TOKENS * LANES  # where row 0's lanes leave their partial sums of x^2
     normed = norm_eps is not None
-    out_dtype = out_dtype or dtype
+    out_dtype = spec.out_dtype or dtype
     assert out_features % ROWS == 0 and in_features % BLOCK == 0
 
     def weight_row(rb, r):

@@ -38,7 +38,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from kernels.paged_kv import LOG2_E, MASKED_ROW, MASKED_SCORE, VEC, lane_sum
-from model_glue.contract import DTYPE_BYTES, MAX_INVOCATIONS, PAGE_SIZE, WORKGROUP_STORAGE_BYTES
+from contract.kernels import MAX_INVOCATIONS, PAGE_SIZE, WORKGROUP_STORAGE_BYTES
+from contract.model import DTYPE_BYTES
 
 ROWS = 64  # query rows (token, head) per workgroup
 KEY_LANES = MAX_INVOCATIONS // ROWS  # threads per row, each over every KEY_LANES-th key of a tile

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from contract.kernels import MatmulSpec
 from kernels.llama import BLOCK
 from kernels.paged_kv import VEC
 
@@ -42,9 +43,11 @@ X_TASKS = TOKEN_QUADS * (K_STEP // VEC)  # (token quad, k quad) loads of the x t
 W_TASKS = ROW_QUADS * WORDS_PER_STEP  # (row quad, word) loads of the W tile
 
 
-def quantized_matmul_tiled(out_features: int, in_features: int, dtype: str, residual: bool,
-                           norm_eps: float | None = None, swiglu: bool = False):
-    """The tiled q4 matmul PrimFunc (see the module docstring); `n` (tokens) is symbolic."""
+def quantized_matmul_tiled(spec: MatmulSpec):
+    """The tiled q4 matmul PrimFunc of `spec` (see the module docstring); `n` (tokens) is symbolic."""
+    assert spec.tiled and spec.weights == "q4" and spec.out_dtype in (None, spec.dtype)
+    out_features, in_features, dtype = spec.out_features, spec.in_features, spec.dtype
+    residual, norm_eps, swiglu = spec.residual, spec.norm_eps, spec.swiglu
     OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
     COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
     STEPS = in_features // K_STEP

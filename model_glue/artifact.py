@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model_glue.contract import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
+from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
 from model_glue.kernel import Kernel
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_glue.contract import (ATTENTION_BUFFERS, MAX_SPLITS, NEST_CHOICES, PAGE_SIZE, SHARDED_VARIANTS,
-                                 SPLIT_WORKSPACE, AttentionShape, KernelSpec)
+from contract.artifacts import KernelSpec
+from contract.kernels import ATTENTION_BUFFERS, MAX_SPLITS, NEST_CHOICES, PAGE_SIZE, SHARDED_VARIANTS, SPLIT_WORKSPACE
+from contract.model import AttentionShape
 
 # Up to this many context tokens the tiled nest's low fixed cost wins; above it, sharded.
 TILED_MAX_CONTEXT = 256

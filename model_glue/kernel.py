@@ -1,4 +1,4 @@
-"""Dispatch a TVM-built WGSL kernel from its manifest entry (model_glue.contract.KernelSpec).
+"""Dispatch a TVM-built WGSL kernel from its manifest entry (contract.artifacts.KernelSpec).
 
 The entry gives storage buffers in binding order, the PODArgs fields (4 bytes each, then
 `packGridDimX: u32`), the workgroup size, and the grid as small expression trees over the kernel's
@@ -22,7 +22,7 @@ _OPS = {
     "max": max,
 }
 
-from model_glue.contract import KernelSpec
+from contract.artifacts import KernelSpec
 from model_glue.webgpu import AdapterLimitError
 
 

@@ -527,11 +527,18 @@ class BrowserDevice(Device):
 
     @property
     def js_device(self):
-        """The GPUDevice itself (the page watches `lost`; the fault tests destroy it)."""
+        """The GPUDevice itself (the fault tests destroy it; the page waits on `lost()`)."""
         return self._device
 
     def _on_lost(self, info) -> None:
         self.lost_reason = f"{info.reason}: {info.message}" if info.message else str(info.reason)
+
+    async def lost(self) -> str:
+        """Waits until the device is lost; returns why."""
+        info = await self._device.lost
+        if self.lost_reason is None:
+            self._on_lost(info)
+        return self.lost_reason
 
     async def _settle_lost(self) -> None:
         # A failed mapAsync and the device's `lost` promise settle in no fixed order: wait for

@@ -1,4 +1,5 @@
 // The per-step timings of the conversation, downloaded as CSV or JSON for analysis elsewhere.
+import { $, state } from "./ui.js";
 
 export const STEP_COLUMNS = ["reply", "kind", "tokens", "context", "nest", "variant", "attention_ms", "step_ms",
   "timing_note", "encode_ms", "gpu_ms", "dispatches"];
@@ -31,4 +32,25 @@ export function download(filename, text, type) {
   a.href = url; a.download = filename;
   document.body.append(a); a.click(); a.remove();
   setTimeout(() => URL.revokeObjectURL(url), 10_000);
+}
+
+// -- the page's export buttons --------------------------------------------------------------------
+
+// A finished reply (or comparison run): its speed and full step table go into the export.
+export function recordRun(label, result) {
+  state.replies.push({ reply: label, speed: result.speed, seed: result.seed ?? null,
+    stop_reason: result.stop_reason, stats: result.stats });
+  $("export-csv").disabled = false; $("export-json").disabled = false;
+}
+
+export function clearRuns() {
+  state.replies = [];
+  $("export-csv").disabled = true; $("export-json").disabled = true;
+}
+
+// `about`: the model, adapter and applied options the figures belong to.
+export function exportSteps(format, about) {
+  const stamp = new Date().toISOString().replace(/[:.]/g, "-");
+  if (format === "csv") download(`decode-steps-${stamp}.csv`, stepsCsv(state.replies), "text/csv");
+  else download(`decode-steps-${stamp}.json`, stepsJson(state.replies, about), "application/json");
 }

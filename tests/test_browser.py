@@ -12,11 +12,13 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 from conftest import chromium, open_page
+from page_hooks import install_page_hooks
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
 from kernels.catalog import subgroup_builds
 from model_glue.attention import attention_call, pick_subgroup_build
-from model_glue.contract import ATTENTION_OUTPUTS, AttentionShape, attention_kernel_name, subgroup_tag
+from contract.kernels import ATTENTION_OUTPUTS, attention_kernel_name, subgroup_tag
+from contract.model import AttentionShape
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -131,11 +133,12 @@ def _kernel_in_page(page, variant, shape):
 
 
 @pytest.mark.parametrize("variant", ["tiled", "shards", "subgroup"])
-@pytest.mark.parametrize("shape", [AttentionShape(2, 4, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)],
+@pytest.mark.parametrize("shape", [AttentionShape(1, 2, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)],
                          ids=lambda s: f"d{s.head_dim}")
 def test_attention_in_chromium_matches_reference(page, shape, variant):
     """Served kernels (SwiftShader: f32; its subgroups of 4 run the 4-lane subgroup build) against
     the f64 reference, compiled by Chromium's WGSL compiler and run through navigator.gpu."""
+    install_page_hooks(page)
     name = _kernel_in_page(page, variant, shape)
     if name is None:
         pytest.skip("this adapter's subgroups fit no subgroup build")
@@ -157,7 +160,8 @@ def test_attention_in_chromium_matches_reference(page, shape, variant):
     result = page.evaluate(
         """async (a) => {
              const py = window.demo.pyodide;
-             const r = await window.demo.session.run_kernel_b64(a.name, py.toPy(a.buffers), py.toPy(a.values), py.toPy(a.outputs));
+             const r = await window.demo.hooks.run_kernel_b64(window.demo.session, a.name, py.toPy(a.buffers),
+                                                              py.toPy(a.values), py.toPy(a.outputs));
              return r.toJs({dict_converter: Object.fromEntries});
            }""", args)
     out = np.frombuffer(base64.b64decode(result["output"]), np.float32).reshape(batch, heads, head_dim)

@@ -5,26 +5,29 @@ import numpy as np
 import pytest
 from conftest import STATIC
 
-from app.chat import ChatSession
+from chat.session import ChatSession
 from convert.weights import load_artifact_weights, write_random_artifact
 from model_glue.artifact import folder_readers
-from model_glue.contract import MODEL_CONFIGS
-from model_glue.model import LlamaModel, ModelError, generate
+from contract.model import TEST_MODEL_CONFIGS
+from model_glue.errors import ModelError
+from model_glue.generate import generate
+from model_glue.loading import load_model
+from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
 from test_model import LOGIT_TOLERANCE, logits_of, rel_l2
 
-TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
+TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
 DTYPE = "float32"  # lavapipe has no shader-f16; the f16 bound is the same test with a looser tolerance
 # Two prefills of the same ids over different chunkings differ only in summation order.
 SAME_IDS_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def tiny(loop, gpu, library, tmp_path_factory):
+def tiny(loop, gpu, test_library, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama_cache")
     write_random_artifact("tiny_llama", folder, seed=5)
     read_text, read_bytes = folder_readers(folder)
-    model = loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype=DTYPE))
+    model = loop.run_until_complete(load_model(gpu, test_library, read_text, read_bytes, dtype=DTYPE))
     config, weights = load_artifact_weights(folder)
     return model, ReferenceLlama(config, weights)
 
@@ -94,7 +97,7 @@ def test_rolling_back_across_a_page_boundary_rewrites_the_right_slots(loop, tiny
 @pytest.fixture(scope="module")
 def tiny_chat(loop, gpu, library):
     return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(STATIC / "artifacts" / "tiny_chat"),
-                                                    dtype=DTYPE, max_context=512))
+                                                    dtype=DTYPE, options=RunOptions(max_context=512)))
 
 
 def test_chat_turns_reuse_the_conversation_and_new_chat_resets_it(loop, tiny_chat):
@@ -124,7 +127,7 @@ def test_a_context_full_error_resets_the_cache(loop, tiny_chat):
     chat.reset()
     loop.run_until_complete(chat.reply("Hello there.", max_new_tokens=4))
     assert chat.model.cached_ids
-    with pytest.raises(ModelError, match="exceeds the model's context of 512"):
+    with pytest.raises(ModelError, match="exceeds the context of 512 tokens. Start a new chat"):
         loop.run_until_complete(chat.reply("Tell me more.", max_new_tokens=500))
     assert chat.model.cached_ids == [] and chat.model.kv.length == 0
     chat.reset()

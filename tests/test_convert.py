@@ -10,7 +10,7 @@ import pytest
 
 from convert.weights import (ConvertError, convert_gguf, load_artifact_weights, load_gguf_weights, pack_q4, pack_q8,
                              write_random_artifact)
-from model_glue.contract import MODEL_CONFIGS
+from contract.model import TEST_MODEL_CONFIGS
 from model_reference import ReferenceLlama, hf_tokenizer_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def test_corrupted_byte_is_reported(tiny, tmp_path):
 
 def test_random_tiny_artifact_round_trips(tiny):
     cfg, w = load_artifact_weights(tiny)
-    c = MODEL_CONFIGS["tiny_llama"].to_dict()
+    c = TEST_MODEL_CONFIGS["tiny_llama"].to_dict()
     assert cfg == c
     q = c["n_heads"] * c["head_dim"]
     kv = c["n_kv_heads"] * c["head_dim"]

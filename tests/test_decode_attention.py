@@ -24,8 +24,8 @@ from kernels.catalog import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_
 from kernels.paged_kv import MASKED_SCORE
 from model_glue.attention import (TILED_MAX_CONTEXT, AttentionChoice, context_length, pick_decode_nest,
                                   pick_sharded_variant, pick_subgroup_build, split_workspace_bytes, tiled_defect)
-from model_glue.contract import (MAX_SPLITS, SHARDED_VARIANTS, AttentionShape, attention_kernel_name,
-                                 merge_kernel_name, subgroup_tag)
+from contract.kernels import MAX_SPLITS, SHARDED_VARIANTS, AttentionSpec, attention_kernel_name, subgroup_tag
+from contract.model import AttentionShape
 
 CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 2000]
 # The grid's f32 shape of each head_dim: the RoPE, empty-sequence and unused-slot tests reuse its kernels.
@@ -96,7 +96,7 @@ class Family:
         variant, _, tag = kernel_set.partition("-")
         self.whole = attention_kernel_name(variant, shape, dtype, sliding_window, tag=tag or None)
         self.split = attention_kernel_name(variant, shape, dtype, sliding_window, split=True, tag=tag or None)
-        self.merge = merge_kernel_name(shape, dtype)
+        self.merge = AttentionSpec("merge", shape, dtype).name
 
     def kernel(self, name):
         return self.loop.run_until_complete(self.library.kernel(name))
@@ -291,7 +291,7 @@ def test_tiled_with_inline_rope_and_window(loop, gpu, test_library):
 
 
 def test_empty_sequence_lse_of_each_nest(loop, gpu, test_library):
-    """The contract (model_glue.contract, kernels.paged_kv): an empty sequence gives output 0 and
+    """The contract (contract.kernels, kernels.paged_kv): an empty sequence gives output 0 and
     lse -5e4, the state that adds nothing to a merge. Every sharded-family kernel gives exactly
     that (tests above). TVM's GPU tiled kernel starts its denominator at 1 in each of its bdz
     partial states and merges them, so it returns -5e4 + log2(bdz + 1)-ish instead (TVM's CPU

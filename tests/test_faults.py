@@ -12,9 +12,11 @@ import statistics
 
 import pytest
 
-from app.chat import ChatSession
+from chat.session import ChatSession
 from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
-from model_glue.model import STOPPED_IN_PREFILL, LlamaModel, ModelError, generate
+from model_glue.errors import ModelError
+from model_glue.generate import STOPPED_IN_PREFILL, generate
+from model_glue.options import RunOptions
 from model_glue.webgpu import AdapterLimitError, DeviceLostError, WgpuDevice
 
 TINY_CHAT = __import__("conftest").STATIC / "artifacts" / "tiny_chat"
@@ -26,7 +28,7 @@ def open_device(loop, **caps):
 
 def load_chat(loop, device, library, folder=TINY_CHAT, max_context=1024):
     return loop.run_until_complete(ChatSession.load(device, library, folder_readers(folder), dtype="float32",
-                                                    max_context=max_context))
+                                                    options=RunOptions(max_context=max_context)))
 
 
 # -- an adapter below what the artifact needs ------------------------------------------------------
@@ -147,7 +149,7 @@ def test_twenty_turns_keep_gpu_buffers_and_step_time_flat(loop, artifact_dir):
     live, step_ms = [], []
     for turn in range(20):
         result = loop.run_until_complete(chat.reply(f"Turn {turn}: say something.", max_new_tokens=6,
-                                                    attention="tiled"))
+                                                    options=RunOptions(attention="tiled")))
         live.append(device.live_buffers)
         step_ms.append(statistics.median(s["step_ms"] for s in result["stats"] if s["kind"] == "decode"))
     assert len(set(live[1:])) == 1, f"live GPU buffers per turn: {live}"

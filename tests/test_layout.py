@@ -1,9 +1,9 @@
-"""The build/run wall, checked on the source: what each side may import.
+"""The build/run wall, checked on the source and on the wheel the browser loads.
 
-Run side (model_glue/, app/page.py, app/chat.py): the standard library and each other, nothing
-else; Pyodide's `js`/`pyodide` and wgpu-py only inside the modules that wrap them. Build side
-(kernels/, convert/): of the run side only the contract. The contract is the one place the two
-sides share facts (model_glue/contract.py).
+Run side (contract/, model_glue/, chat/): the standard library and each other, nothing else;
+Pyodide's `js`/`pyodide` and wgpu-py only inside the modules that wrap them. Build side (kernels/,
+convert/): of the run side only the contract, the one package both sides share. The native CLI
+(app/) may import anything; nothing imports it. The wheel holds exactly the run side.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_SIDE = sorted((ROOT / "model_glue").glob("*.py")) + [ROOT / "app" / "page.py", ROOT / "app" / "chat.py"]
-RUN_PACKAGES = {"model_glue", "app.page", "app.chat"}
+RUN_PACKAGES = ("contract", "model_glue", "chat")
+RUN_SIDE = sorted(p for package in RUN_PACKAGES for p in (ROOT / package).glob("*.py"))
 # The seam reaches the browser's WebGPU or wgpu-py; the artifact reader fetches over HTTP in the page.
 BACKENDS = {"webgpu.py": {"js", "pyodide", "wgpu"}, "artifact.py": {"pyodide"}}
 BUILD_SIDE = sorted((ROOT / "kernels").glob("*.py")) + sorted((ROOT / "convert").glob("*.py"))
+WHEEL = ROOT / "static" / "pyodide" / "sharded_decode_demo-0.1.0-py3-none-any.whl"
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -33,28 +35,62 @@ def imported_modules(path: Path) -> set[str]:
     return modules
 
 
-def is_run_side(module: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in RUN_PACKAGES)
+def in_packages(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 @pytest.mark.parametrize("path", RUN_SIDE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_run_side_imports_only_the_standard_library_and_itself(path):
     allowed = set(sys.stdlib_module_names) | {"__future__"} | BACKENDS.get(path.name, set())
-    foreign = {m for m in imported_modules(path) if not is_run_side(m) and m.split(".")[0] not in allowed}
+    foreign = {m for m in imported_modules(path) if not in_packages(m, RUN_PACKAGES) and m.split(".")[0] not in allowed}
     assert not foreign, f"{path.name} imports {sorted(foreign)}: the page (Pyodide) has none of them"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "contract").glob("*.py")), ids=lambda p: p.name)
+def test_the_contract_imports_nothing_of_either_side(path):
+    imported = {m for m in imported_modules(path) if in_packages(m, ("model_glue", "chat", "kernels", "convert", "app"))}
+    assert not imported, f"contract/{path.name} imports {sorted(imported)}: both sides import the contract"
 
 
 @pytest.mark.parametrize("path", BUILD_SIDE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_build_side_shares_only_the_contract(path):
-    shared = {m for m in imported_modules(path) if is_run_side(m)}
-    assert shared <= {"model_glue.contract"}, f"{path.name} imports {sorted(shared)} from the run side"
+    shared = {m for m in imported_modules(path) if in_packages(m, ("model_glue", "chat", "app"))}
+    assert not shared, f"{path.name} imports {sorted(shared)} from the run side or the CLI (only `contract` is shared)"
+
+
+def test_nothing_imports_the_cli():
+    for path in RUN_SIDE + BUILD_SIDE:
+        assert not {m for m in imported_modules(path) if in_packages(m, ("app",))}, path
+
+
+def test_the_wheel_holds_only_the_run_side():
+    """The browser downloads what runs there: the contract, the runtime and the chat, no build side,
+    no CLI, no benchmarks, no tests (`make` builds the wheel from pyproject.toml's packages)."""
+    if not WHEEL.exists():
+        pytest.fail(f"{WHEEL.relative_to(ROOT)} is missing: run `make test`, which builds it")
+    names = zipfile.ZipFile(WHEEL).namelist()
+    code = sorted(n for n in names if ".dist-info/" not in n)
+    assert code == sorted(f"{p.parent.name}/{p.name}" for p in RUN_SIDE), code
 
 
 def test_the_contract_is_the_one_home_of_shared_constants():
     """PAGE_SIZE and the format versions are defined once, in the contract."""
     definition = re.compile(r"^\s*(PAGE_SIZE|\w*ARTIFACT_FORMAT|\w*_CONFIGS?|\w*ARTIFACT_KIND|MAX_CONTEXT)\s*[:=]", re.M)
     for path in RUN_SIDE + BUILD_SIDE + sorted((ROOT / "app").rglob("*.py")):
-        if path.name == "contract.py":
+        if path.parent.name == "contract":
             continue
         found = definition.findall(path.read_text(encoding="utf-8"))
-        assert not found, f"{path.relative_to(ROOT)} defines {found}: they belong in model_glue/contract.py"
+        assert not found, f"{path.relative_to(ROOT)} defines {found}: they belong in contract/"
+
+
+def test_the_page_copies_no_python_constant():
+    """static/*.js gets the runtime's constants (the 256-token switch, stop reasons, defaults) from
+    chat.page.chat_info and reaches into no Python object: only the page module's functions."""
+    for path in sorted((ROOT / "static").glob("*.js")):
+        if path.name == "weights_cache.js":  # fetches bytes and hashes them (SHA-256): no Python there
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"\b256\b|stopped during prefill|\.model\.|js_device|\.device\.", text), path.name
+        calls = set(re.findall(r"\bpage\.(\w+)\(", text))
+        import chat.page
+        assert calls <= set(dir(chat.page)), f"{path.name} calls {sorted(calls - set(dir(chat.page)))}"

@@ -9,16 +9,20 @@ import shutil
 import numpy as np
 import pytest
 
-from app.chat import ChatSession
+from chat.session import ChatSession
 from model_glue.artifact import folder_readers
 from convert.weights import load_artifact_weights, write_random_artifact
-from model_glue.contract import MODEL_CONFIGS, NESTS
-from model_glue.model import LlamaModel, ModelError, generate
+from contract.kernels import NESTS
+from contract.model import TEST_MODEL_CONFIGS
+from model_glue.errors import ModelError
+from model_glue.generate import generate
+from model_glue.loading import load_model
+from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
 
 ROOT_ARTIFACT = __import__("conftest").STATIC / "artifacts" / "smollm2"
 GOLDEN_PROMPT = "What is the capital of France?"
-TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
+TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
 GOLDEN_ANSWER = "The capital of France is Paris."
 # Logit tolerances (relative L2 against the numpy reference over the whole vocab). f32 differs from
 # the reference only in summation order: measured <= 2.3e-6 (tiny model). f16 rounds every
@@ -39,10 +43,10 @@ def tiny_reference(tiny_dir):
     return ReferenceLlama(config, weights)
 
 
-def load(loop, gpu, library, folder, dtype, max_context=None):
+def load(loop, gpu, library, folder, dtype, **options):
     read_text, read_bytes = folder_readers(folder)
-    return loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype=dtype,
-                                                   max_context=max_context))
+    return loop.run_until_complete(load_model(gpu, library, read_text, read_bytes, dtype=dtype,
+                                              options=RunOptions(**options)))
 
 
 def logits_of(loop, model):
@@ -55,12 +59,11 @@ def rel_l2(a, b):
 
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["norms-folded", "norms-apart"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_reference, dtype, fold_norms):
+def test_tiny_model_logits_match_reference(loop, gpu, test_library, tiny_dir, tiny_reference, dtype, fold_norms):
     """Both forward layouts: RMSNorm folded into the next matmul (GPUs) and run apart (CPU rasterizers)."""
     if dtype == "float16" and not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
-    model = load(loop, gpu, library, tiny_dir, dtype)
-    model.fold_norms = fold_norms
+    model = load(loop, gpu, test_library, tiny_dir, dtype, fold_norms=fold_norms)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
     tiny_reference.reset()
@@ -77,10 +80,10 @@ def test_tiny_model_logits_match_reference(loop, gpu, library, tiny_dir, tiny_re
         want = tiny_reference.forward([token_in], pos)[-1]
 
 
-def test_a_chunked_prompt_matches_reference(loop, gpu, library, tiny_dir, tiny_reference):
+def test_a_chunked_prompt_matches_reference(loop, gpu, test_library, tiny_dir, tiny_reference):
     """300 tokens: two pipelined prefill passes (256 + 44; the second submitted before the first is
     read back, attending to its pages), then decode steps; then again in chunks of 37."""
-    model = load(loop, gpu, library, tiny_dir, "float32")
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, TINY_VOCAB, 300)]
     run = loop.run_until_complete(generate(model, prompt, max_new_tokens=3))
     assert [s.tokens for s in run.stats if s.kind == "prefill"] == [256, 44]
@@ -89,16 +92,15 @@ def test_a_chunked_prompt_matches_reference(loop, gpu, library, tiny_dir, tiny_r
     assert rel_l2(logits_of(loop, model), want) < LOGIT_TOLERANCE["float32"]
     # chunks that start and end inside pages: each attends to the pages of the ones before it
     model.reset()
-    model.prefill_chunk = 37
-    again = loop.run_until_complete(generate(model, prompt, max_new_tokens=3))
+    again = loop.run_until_complete(generate(model, prompt, max_new_tokens=3, options=RunOptions(prefill_chunk=37)))
     assert [s.tokens for s in again.stats if s.kind == "prefill"] == [37] * 8 + [4]
     assert again.token_ids == run.token_ids
     assert rel_l2(logits_of(loop, model), want) < LOGIT_TOLERANCE["float32"]
 
 
-def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_dir):
+def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, test_library, tiny_dir):
     """A context that crosses 256 tokens switches nest at the right step; auto == tiled-forced."""
-    model = load(loop, gpu, library, tiny_dir, "float32")
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 240)]
     runs = {}
@@ -108,9 +110,8 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_d
     overrides = ["shards:8", "shards_group:3"] + (["subgroup:5"] if model.runs_subgroups else [])
     for label, attention, override in [("auto", "auto", None), ("tiled", "tiled", None)] + [
             (o, "auto", o) for o in overrides]:
-        loop.run_until_complete(model.force_variant(override))
-        runs[label] = loop.run_until_complete(generate(model, prompt, max_new_tokens=84, attention=attention))
-    loop.run_until_complete(model.force_variant(None))
+        runs[label] = loop.run_until_complete(generate(model, prompt, max_new_tokens=84,
+                                                       options=RunOptions(attention=attention, variant=override)))
     auto = runs["auto"]
     decode = [s for s in auto.stats if s.kind == "decode"]
     assert {s.nest for s in decode if s.context <= 256} == {"tiled"}
@@ -126,8 +127,8 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, library, tiny_d
         assert first is None, f"greedy text of {label} diverges from tiled at generated token {first}"
 
 
-def test_bad_requests_get_clear_errors(loop, gpu, library, tiny_dir):
-    model = load(loop, gpu, library, tiny_dir, "float32", max_context=64)
+def test_bad_requests_get_clear_errors(loop, gpu, test_library, tiny_dir):
+    model = load(loop, gpu, test_library, tiny_dir, "float32", max_context=64)
     with pytest.raises(ModelError, match="empty"):
         loop.run_until_complete(generate(model, [], max_new_tokens=4))
     with pytest.raises(ModelError, match="exceeds the context of 64"):
@@ -146,7 +147,7 @@ def _collect(sink):
     return on_token
 
 
-def test_corrupted_weights_are_refused(loop, gpu, library, tiny_dir, tmp_path):
+def test_corrupted_weights_are_refused(loop, gpu, test_library, tiny_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir, broken)
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -155,15 +156,15 @@ def test_corrupted_weights_are_refused(loop, gpu, library, tiny_dir, tmp_path):
     data[offset + 5] ^= 0xFF
     (broken / "weights.bin").write_bytes(bytes(data))
     with pytest.raises(ModelError, match="layers.1.down.q4 is corrupted"):
-        load(loop, gpu, library, broken, "float32")
+        load(loop, gpu, test_library, broken, "float32")
     # a whole-file hash the caller checked skips the per-tensor hashes only if it is the manifest's
     read_text, read_bytes = folder_readers(broken)
     with pytest.raises(ModelError, match="layers.1.down.q4 is corrupted"):
-        loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32",
-                                                verified_sha256="0" * 64))
+        loop.run_until_complete(load_model(gpu, test_library, read_text, read_bytes, dtype="float32",
+                                           verified_sha256="0" * 64))
     (broken / "weights.bin").write_bytes(bytes(data[:1000]))
     with pytest.raises(ModelError, match="incomplete download or corrupted"):
-        load(loop, gpu, library, broken, "float32")
+        load(loop, gpu, test_library, broken, "float32")
 
 
 # -- the real model ------------------------------------------------------------------------------
@@ -212,10 +213,10 @@ def test_real_model_logits_match_reference(loop, smollm2):
 
 
 # -- the decode plan ------------------------------------------------------------------------------
-def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, library, tiny_dir):
-    model = load(loop, gpu, library, tiny_dir, "float32")
-    loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, attention="tiled"))
-    plan = model._decode_plans["tiled", False, True]
+def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_library, tiny_dir):
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
+    loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, options=RunOptions(attention="tiled")))
+    plan = model._plans["tiled", False, True]
     attention = model.attention["tiled"].name
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
     assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform

@@ -5,11 +5,12 @@ is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loo
 import pytest
 
 from convert.weights import write_random_artifact
-from model_glue.contract import MODEL_CONFIGS
-from model_glue.model import STOPPED_BY_USER, ModelError, generate
+from contract.model import TEST_MODEL_CONFIGS
+from model_glue.errors import ModelError
+from model_glue.generate import STOPPED_BY_USER, generate
 from test_model import load
 
-TINY_VOCAB = MODEL_CONFIGS["tiny_llama"].vocab_size
+TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
 PROMPT = [(37 * i + 11) % (TINY_VOCAB - 3) + 3 for i in range(30)]
 
 
@@ -21,8 +22,8 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(loop, gpu, library, tiny_folder):
-    return load(loop, gpu, library, tiny_folder, "float32")
+def tiny(loop, gpu, test_library, tiny_folder):
+    return load(loop, gpu, test_library, tiny_folder, "float32")
 
 
 def one_step_at_a_time(loop, model, prompt, steps):
@@ -45,7 +46,7 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny):
     layers = tiny.config.n_layers
     # embed; per layer (rms_norm,) qkv, rope+append, attention, o+residual, (rms_norm,) gate/up
     # (, swiglu), down+residual; (rms_norm,) lm_head and argmax. GPUs fold norms and SwiGLU: 6 per layer.
-    per_layer, head = (6, 2) if tiny.fold_norms else (9, 3)
+    per_layer, head = (6, 2) if tiny.run.fold_norms else (9, 3)
     assert {s.dispatches for s in decode} == {1 + per_layer * layers + head}
     assert all(s.encode_ms > 0 for s in decode)
     if tiny.device.has_timestamps:
@@ -85,9 +86,8 @@ def test_a_user_stop_leaves_no_trace_of_the_step_run_ahead(loop, tiny):
     assert len([s for s in got.stats if s.kind == "decode"]) == 4
 
 
-def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, library, tiny_folder):
-    model = load(loop, gpu, library, tiny_folder, "float32")
-    model.fold_norms = True  # what a GPU runs (the logits are checked in test_model)
+def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, test_library, tiny_folder):
+    model = load(loop, gpu, test_library, tiny_folder, "float32", fold_norms=True)  # what a GPU runs
     run = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=4))
     assert {s.dispatches for s in run.stats if s.kind == "decode"} == {1 + 6 * model.config.n_layers + 2}
 

@@ -13,7 +13,7 @@ import pytest
 from convert.weights import dequant_q4, pack_q4
 from kernels.catalog import TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name
 from kernels.prefill_attention import prefill_layout
-from model_glue.contract import PAGE_SIZE, prefill_attention_kernel_name
+from contract.kernels import PAGE_SIZE, AttentionSpec
 from attention_reference import relative_l2
 
 TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
@@ -82,7 +82,7 @@ def run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng, stale=n
 def test_prefill_attention_matches_f64(loop, gpu, test_library, shape, dtype):
     """Every (cached prefix, chunk) case; stale NaNs in the pages' unused slots must not leak."""
     skip_without_f16(gpu, dtype)
-    kernel = loop.run_until_complete(test_library.kernel(prefill_attention_kernel_name(shape, dtype)))
+    kernel = loop.run_until_complete(test_library.kernel(AttentionSpec("prefill", shape, dtype).name))
     rng = np.random.default_rng(shape.head_dim * 10 + shape.group)
     for start, n in CASES:
         length = start + n

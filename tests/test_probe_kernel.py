@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from app.page import PROBE_SCALE, Session
+from chat.page import PROBE_SCALE, Session
 
 
 def test_probe_manifest_abi(library):
@@ -34,7 +34,7 @@ def test_probe_matches_numpy_natively(loop, gpu, library):
 
 
 def test_page_probe_natively(loop, gpu, library):
-    """The exact code the page runs (app.page.Session), here on wgpu."""
+    """The exact code the page runs (chat.page.Session), here on wgpu."""
     result = loop.run_until_complete(Session(gpu, library).run_probe(seed=3))
     assert result["ok"], result
 

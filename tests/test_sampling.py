@@ -13,8 +13,11 @@ import pytest
 
 from convert.weights import write_random_artifact
 from model_glue.artifact import folder_readers
-from model_glue.contract import MAX_TOP_K, MODEL_CONFIGS, model_kernel_name
-from model_glue.model import GREEDY, LlamaModel, ModelError, Sampling, generate
+from contract.kernels import MAX_TOP_K, model_kernel_name
+from contract.model import MODEL_CONFIGS
+from model_glue.errors import ModelError
+from model_glue.generate import GREEDY, Sampling, generate
+from model_glue.loading import load_model
 
 VOCAB = MODEL_CONFIGS["tiny_chat"].vocab_size  # SmolLM2's vocabulary: the kernel's real size
 KERNEL = model_kernel_name("tiny_chat", "sample", "float32")
@@ -90,11 +93,11 @@ def test_sampled_ids_follow_the_filtered_distribution(loop, gpu, library):
 
 
 @pytest.fixture(scope="module")
-def tiny(loop, gpu, library, tmp_path_factory):
+def tiny(loop, gpu, test_library, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_llama_sampling")
     write_random_artifact("tiny_llama", folder, seed=11)
     read_text, read_bytes = folder_readers(folder)
-    return loop.run_until_complete(LlamaModel.load(gpu, library, read_text, read_bytes, dtype="float32"))
+    return loop.run_until_complete(load_model(gpu, test_library, read_text, read_bytes, dtype="float32"))
 
 
 def test_generation_with_a_seed_is_reproducible_and_top_k_1_is_greedy(loop, tiny):

@@ -30,7 +30,8 @@ from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
 from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
 from model_glue.attention import AttentionChoice, pick_sharded_variant, pick_subgroup_build
-from model_glue.contract import BENCH_SHAPES, MODEL_CONFIGS, attention_kernel_name, merge_kernel_name, subgroup_tag
+from contract.kernels import AttentionSpec, attention_kernel_name, subgroup_tag
+from contract.model import BENCH_SHAPES, MODEL_CONFIGS
 from model_glue.webgpu import WgpuDevice
 
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
@@ -167,7 +168,7 @@ async def run_attention_bench(args) -> dict:
         if shape.head_dim not in args.head_dims:
             continue
         sets, subgroup_label = family_kernel_sets(library, shape, dtype, device)
-        merge = await library.kernel(merge_kernel_name(shape, dtype))
+        merge = await library.kernel(AttentionSpec("merge", shape, dtype).name)
         if subgroup_label is not None:  # what the runtime runs as "subgroup"
             sets["subgroup"] = sets[subgroup_label]
         for context in args.contexts:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from app.bench.inputs import bench_inputs
-from app.chat import ChatSession
+from chat.session import ChatSession
 from model_glue.artifact import folder_readers
 
 LONG_DOCUMENT = Path(__file__).resolve().parents[2] / "static" / "long_document.txt"

@@ -16,7 +16,9 @@ import time
 
 from app.bench.inputs import bench_inputs
 from model_glue.artifact import folder_readers
-from model_glue.model import GREEDY, LlamaModel, Sampling, generate
+from model_glue.generate import GREEDY, Sampling, generate
+from model_glue.loading import load_model
+from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
 
@@ -26,11 +28,11 @@ async def run_decode_bench(args) -> dict:
     read_text, read_bytes = folder_readers(model_dir)
     warmup_prompt = 300  # tokens: the warm-up crosses the switch to the sharded family
     max_context = max(*args.contexts, warmup_prompt) + args.steps + 4
-    model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
-                                  dtype=None if args.dtype == "auto" else args.dtype)
+    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max_context),
+                             dtype=None if args.dtype == "auto" else args.dtype)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
-          f"norms and SwiGLU {'folded' if model.fold_norms else 'apart'}", flush=True)
+          f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}", flush=True)
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
@@ -38,15 +40,18 @@ async def run_decode_bench(args) -> dict:
     # with --sample also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
     modes = [("auto", None), ("auto", "shards"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
+
+    def mode_options(attention, override):
+        return RunOptions(attention=attention, variant=None if override == "sample" else override)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers, and a GPU's clocks
     # ramp up only under sustained work (the H200 idles at 345 MHz): at least WARMUP_SECONDS of runs.
     warmup_until = time.perf_counter() + WARMUP_SECONDS
     while True:
         for attention, override in modes:
             model.reset()
-            await model.force_variant(None if override == "sample" else override)
             await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)],
-                           max_new_tokens=16, attention=attention, sampling=sampled if override == "sample" else GREEDY)
+                           max_new_tokens=16, options=mode_options(attention, override),
+                           sampling=sampled if override == "sample" else GREEDY)
         if time.perf_counter() >= warmup_until:
             break
     rows = []
@@ -54,10 +59,9 @@ async def run_decode_bench(args) -> dict:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
         for attention, override in modes:
             label = attention if override is None else f"{attention}:{override}"
-            await model.force_variant(None if override == "sample" else override)
             model.reset()
             # generate's own loop (prefill in chunks, then pipelined decode steps), no stop token
-            run = await generate(model, prompt, max_new_tokens=args.steps + 1, attention=attention,
+            run = await generate(model, prompt, max_new_tokens=args.steps + 1, options=mode_options(attention, override),
                                  sampling=sampled if override == "sample" else GREEDY)
             steps = [s for s in run.stats if s.kind == "decode"]
             step_ms = run.decode_ms / run.decode_steps
@@ -88,7 +92,6 @@ async def run_decode_bench(args) -> dict:
                   f"{step_ms:>8.2f} {encode_ms:>9.3f} {ms(gpu_ms, 3):>7} {ms(attn_ms, 3):>8} "
                   f"{','.join(map(str, row['dispatches'])):>10} {','.join(row['nests']):>16} "
                   f"{ms(prefill_gpu, 1):>9}/{ms(prefill_attn, 1):<9}", flush=True)
-    await model.force_variant(None)
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

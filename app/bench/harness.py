@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from model_glue.attention import attention_call, attention_dispatches, split_workspace_bytes
-from model_glue.contract import MAX_SPLITS, PAGE_SIZE, AttentionShape
+from contract.kernels import MAX_SPLITS, PAGE_SIZE
+from contract.model import AttentionShape
 
 
 def as_dtype(array, dtype: str):

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from model_glue.artifact import KernelLibrary
-from model_glue.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from model_glue.webgpu import WgpuDevice
 
 

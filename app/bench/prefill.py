@@ -16,7 +16,9 @@ import time
 
 from app.bench.inputs import bench_inputs
 from model_glue.artifact import folder_readers
-from model_glue.model import LlamaModel, generate
+from model_glue.generate import generate
+from model_glue.loading import load_model
+from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
 
@@ -36,18 +38,18 @@ def attention_flops(c, prompt: int, cached: int = 0) -> int:
 async def run_prefill_bench(args) -> dict:
     device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
-    model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max(args.prompts) + 16,
-                                  dtype=None if args.dtype == "auto" else args.dtype)
+    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max(args.prompts) + 16),
+                             dtype=None if args.dtype == "auto" else args.dtype)
     c = model.config
-    chunks = args.chunks or [model.prefill_chunk]
+    chunks = args.chunks or [model.options.prefill_chunk]
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; GPU time: "
-          f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.prefill_chunk}", flush=True)
+          f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.options.prefill_chunk}", flush=True)
     print(f"{'prompt':>6} {'chunk':>5} {'passes':>6} {'tok/s':>9} {'TTFT ms':>8} {'GPU ms':>8} {'attn ms':>8} "
           f"{'rest ms':>8} {'attn TFLOP/s':>12} {'rest TFLOP/s':>12}")
     rng = random.Random(0)
     rows = []
     for chunk in chunks:
-        model.prefill_chunk = chunk
+        options = RunOptions(prefill_chunk=chunk)
         # warm-up: first dispatches compile on some drivers, and a GPU's clocks ramp up only under
         # sustained work (the H200 idles at 345 MHz): --warmup runs, and the first chunk size for
         # at least WARMUP_SECONDS
@@ -56,14 +58,14 @@ async def run_prefill_bench(args) -> dict:
         while runs < args.warmup or time.perf_counter() < warmup_until:
             model.reset()
             await generate(model, [rng.randrange(3, c.vocab_size) for _ in range(min(max(args.prompts), 2 * chunk))],
-                           max_new_tokens=1)
+                           max_new_tokens=1, options=options)
             runs += 1
         for prompt_len in args.prompts:
             prompt = [rng.randrange(3, c.vocab_size) for _ in range(prompt_len)]
             best = None
             for _ in range(args.repeats):
                 model.reset()
-                run = await generate(model, prompt, max_new_tokens=1)
+                run = await generate(model, prompt, max_new_tokens=1, options=options)
                 passes = [s for s in run.stats if s.kind == "prefill"]
                 gpu = None if any(s.gpu_ms is None for s in passes) else sum(s.gpu_ms for s in passes)
                 attn = None if any(s.attention_ms is None for s in passes) else sum(s.attention_ms for s in passes)

@@ -1,6 +1,6 @@
 """A chat session over the model: prompt formatting, streaming text, stop, comparison mode.
 
-Runs unchanged in the page (Pyodide) and in the native CLI (`python -m app generate`).
+Runs unchanged in the page (Pyodide, through chat.page) and in the native CLI (`python -m app generate`).
 """
 
 from __future__ import annotations
@@ -8,11 +8,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
+from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from contract.kernels import NESTS
 from model_glue.attention import TILED_MAX_CONTEXT
-from model_glue.contract import NESTS
-from model_glue.model import GREEDY, STOPPED_IN_PREFILL, Generation, LlamaModel, ModelError, Sampling, generate
+from model_glue.errors import ModelError
+from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
+from model_glue.loading import load_model
+from model_glue.model import LlamaModel
+from model_glue.options import RunOptions
 from model_glue.tokenizer import BPETokenizer, format_chat
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -27,17 +32,17 @@ class ChatSession:
         self._stop_requested = False
 
     @classmethod
-    async def load(cls, device, library, model_readers, *, max_context=None, dtype=None, progress=lambda m: None,
-                   verified_sha256=None):
+    async def load(cls, device, library, model_readers, *, options: RunOptions = RunOptions(), dtype=None,
+                   progress=lambda m: None, verified_sha256=None):
         read_text, read_bytes = model_readers
         progress("loading the tokenizer")
         try:
-            tokenizer = BPETokenizer.from_json(await read_text("tokenizer.json"),
-                                               json.loads(await read_text("tokenizer_config.json")))
+            tokenizer = BPETokenizer.from_json(await read_text(TOKENIZER_FILE),
+                                               json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
         except (OSError, ValueError) as err:
             raise ModelError(f"cannot load the tokenizer: {err}") from err
-        model = await LlamaModel.load(device, library, read_text, read_bytes, max_context=max_context,
-                                      dtype=dtype, progress=progress, verified_sha256=verified_sha256)
+        model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype,
+                                 progress=progress, verified_sha256=verified_sha256)
         return cls(model, tokenizer)
 
     def request_stop(self) -> None:
@@ -64,10 +69,11 @@ class ChatSession:
             raise ModelError(f"the message has {len(text)} characters; the limit is {MAX_MESSAGE_CHARS}")
         return self.messages + [{"role": "user", "content": text}]
 
-    async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: str = "auto",
-                    sampling: Sampling = GREEDY, reuse_cache: bool = True, on_text=None, on_step=None,
-                    on_prefill=None) -> dict:
-        """Add a user message, generate the assistant's reply (streamed through on_text).
+    async def reply(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    options: RunOptions | None = None, sampling: Sampling = GREEDY, reuse_cache: bool = True,
+                    on_text=None, on_step=None, on_prefill=None) -> dict:
+        """Add a user message, generate the assistant's reply (streamed through on_text), run with
+        `options` (default: the model's; model_glue.options).
 
         With `reuse_cache` (the default) only the tokens after the conversation's cached prefix
         are prefilled; the reply's `speed` says how many that was.
@@ -75,17 +81,13 @@ class ChatSession:
         started = time.perf_counter()  # time to first token counts tokenizing too
         messages = self._checked_prompt(user_text)
         ids = self.prompt_ids(messages)
-        if len(ids) + max_new_tokens > self.model.config.max_context:
-            self.model.reset()
-            raise ModelError(f"the conversation is {len(ids)} tokens; with {max_new_tokens} new tokens it "
-                             f"exceeds the model's context of {self.model.config.max_context}. Start a new chat.")
-        result = await self._run(ids, max_new_tokens, attention, on_text, on_step, on_prefill,
+        result = await self._run(ids, max_new_tokens, options, on_text, on_step, on_prefill,
                                  sampling=sampling, reuse_cache=reuse_cache, started=started)
         if result["stop_reason"] != STOPPED_IN_PREFILL:
             self.messages = messages + [{"role": "assistant", "content": result["text"]}]
         return result
 
-    async def _run(self, ids, max_new_tokens, attention, on_text, on_step=None, on_prefill=None, *,
+    async def _run(self, ids, max_new_tokens, options, on_text, on_step=None, on_prefill=None, *,
                    sampling=GREEDY, reuse_cache=False, forced_ids=None, started=None) -> dict:
         started = time.perf_counter() if started is None else started
         self._stop_requested = False
@@ -105,7 +107,7 @@ class ChatSession:
                     on_text(piece)
 
         gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                             attention=attention, sampling=sampling, reuse_cache=reuse_cache, forced_ids=forced_ids,
+                             options=options, sampling=sampling, reuse_cache=reuse_cache, forced_ids=forced_ids,
                              on_token=on_token, on_prefill=on_prefill, should_stop=lambda: self._stop_requested)
         tail = decoder.flush()
         if tail:
@@ -117,7 +119,8 @@ class ChatSession:
                 "stop_reason": gen.stop_reason, "seed": gen.seed, "speed": speed_figures(gen, ttft_ms),
                 "stats": [asdict(s) for s in gen.stats]}
 
-    async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, on_progress=None) -> dict:
+    async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                      options: RunOptions | None = None, on_progress=None) -> dict:
         """The same prompt greedily (always) through each nest: texts, first divergence, timing curves.
 
         Each nest prefills the whole prompt (no cache reuse, so their timings are comparable).
@@ -131,7 +134,7 @@ class ChatSession:
         for nest in NESTS:
             if on_progress is not None:
                 on_progress(nest)
-            runs[nest] = await self._run(ids, max_new_tokens, nest, None)
+            runs[nest] = await self._run(ids, max_new_tokens, replace(options or RunOptions(), attention=nest), None)
         a, b = runs["tiled"]["token_ids"], runs["sharded"]["token_ids"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):
@@ -140,7 +143,8 @@ class ChatSession:
         if first is not None and a:
             if on_progress is not None:
                 on_progress("sharded, fed the tiled tokens,")
-            forced = (await self._run(ids, len(a), "sharded", None, forced_ids=a))["token_ids"]
+            forced = (await self._run(ids, len(a), replace(options or RunOptions(), attention="sharded"), None,
+                                      forced_ids=a))["token_ids"]
         matches = sum(x == y for x, y in zip(a, forced))
         return {"runs": runs, "first_divergence": first, "identical": first is None,
                 "teacher_forced": {"steps": len(a), "matches": matches,

@@ -1,0 +1,209 @@
+"""The Python the page runs under Pyodide: what static/main.js calls, and nothing else.
+
+Every function here takes and returns plain values or JSON strings, so the JS side never reaches
+into Python objects: it holds opaque handles (a Session, a ChatSession) and passes them back.
+Everything goes through model_glue's WebGPU seam, so the same functions also run natively (the
+tests call them both ways).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+
+from model_glue.artifact import KernelLibrary, http_readers
+from model_glue.errors import ModelError
+from model_glue.webgpu import DeviceLostError, open_device
+
+PROBE_ROWS = 8
+PROBE_WIDTH = 256
+PROBE_SCALE = 0.5
+
+
+class Session:
+    """One page session: the device and the kernel library, opened once."""
+
+    def __init__(self, device, library):
+        self.device = device
+        self.library = library
+
+    @classmethod
+    async def open(cls, read_text) -> "Session":
+        device = await open_device()
+        library = await KernelLibrary.load(device, read_text)
+        return cls(device, library)
+
+    async def run_probe(self, seed: int = 0) -> dict:
+        """Row sums through the TVM-built probe kernel, checked against Python's own sums."""
+        rng = random.Random(seed)
+        rows = [[rng.uniform(-1, 1) for _ in range(PROBE_WIDTH)] for _ in range(PROBE_ROWS)]
+        flat = struct.pack(f"<{PROBE_ROWS * PROBE_WIDTH}f", *(v for row in rows for v in row))
+        x = self.device.storage_buffer(len(flat), flat)
+        out = self.device.storage_buffer(PROBE_ROWS * 4)
+        kernel = await self.library.kernel("row_sum_probe")
+        bound = kernel.bind({"x": x, "out": out}, {"n": PROBE_ROWS, "scale": PROBE_SCALE})
+        batch = self.device.batch()
+        bound.dispatch(batch)
+        batch.submit()
+        got = struct.unpack(f"<{PROBE_ROWS}f", await self.device.read(out, PROBE_ROWS * 4))
+        # f32 rounding of the inputs, then a sum in double: the GPU's tree order differs slightly.
+        f32_rows = struct.unpack(f"<{PROBE_ROWS * PROBE_WIDTH}f", flat)
+        want = [PROBE_SCALE * sum(f32_rows[r * PROBE_WIDTH:(r + 1) * PROBE_WIDTH]) for r in range(PROBE_ROWS)]
+        worst = max(abs(g - w) for g, w in zip(got, want))
+        return {"got": list(got), "want": want, "max_abs_error": worst, "ok": worst < 1e-4}
+
+
+# -- opening ----------------------------------------------------------------------------------------
+async def open_session(base_url: str) -> Session:
+    """Fetch the kernel artifact from the page's origin and open WebGPU."""
+    return await Session.open(http_readers(base_url)[0])
+
+
+def describe_device(session: Session) -> str:
+    """The adapter's name, backend and features (JSON)."""
+    return json.dumps(session.device.describe())
+
+
+async def self_test(session: Session) -> str:
+    """The probe kernel against Python's sums (JSON)."""
+    return json.dumps(await session.run_probe())
+
+
+async def watch_device(session: Session, on_lost) -> None:
+    """Call on_lost(message) once, when the GPU device is lost (driver reset, another tab,
+    device.destroy()). Runs until then; the page starts it as a task and does not await it."""
+    info = await session.device.lost()
+    on_lost(f"The GPU device was lost ({info}). The conversation is kept; reload the model to go on.")
+
+
+async def open_chat(session: Session, base_url: str, progress, options: str, weights=None, weights_sha256=None):
+    """Load the model artifact (weights + tokenizer) served under base_url into a ChatSession.
+
+    `options` are RunOptions as JSON (the page's `?context=` gives max_context). `weights` is the
+    weights file the page already fetched (a JS Uint8Array: it streams the download with a progress
+    bar and keeps it in the browser's cache). `weights_sha256` is the whole file's sha256 the page
+    checked it against: when the manifest gives the same one, the per-tensor hashes, which would
+    check the same bytes a second time, are skipped.
+    """
+    from chat.session import ChatSession
+    from model_glue.options import RunOptions
+
+    read_text, read_bytes = http_readers(base_url)
+    if weights is not None:
+        fetched = weights.to_bytes()  # one copy into Python's memory
+
+        async def read_bytes(name: str) -> bytes:  # noqa: F811 (the page's copy replaces the fetch)
+            return fetched
+
+    return await ChatSession.load(session.device, session.library, (read_text, read_bytes),
+                                  options=RunOptions.from_json(options), progress=progress,
+                                  verified_sha256=weights_sha256)
+
+
+def chat_info(chat) -> str:
+    """What the page shows and needs of a loaded model (JSON): the applied options (the context the
+    KV cache really holds), the dtype, and the runtime's constants the page must not copy."""
+    from chat.session import DEFAULT_MAX_NEW_TOKENS, MAX_MESSAGE_CHARS
+    from model_glue.attention import TILED_MAX_CONTEXT
+    from model_glue.generate import STOPPED_IN_PREFILL
+
+    model = chat.model
+    return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json(),
+                       "switch_at": TILED_MAX_CONTEXT, "stopped_in_prefill": STOPPED_IN_PREFILL,
+                       "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "max_message_chars": MAX_MESSAGE_CHARS})
+
+
+# -- a chat turn ----------------------------------------------------------------------------------
+def _failure(err: Exception) -> str | None:
+    """A JSON error for the page if `err` is one a user can act on, else None (a bug: re-raised)."""
+    if isinstance(err, DeviceLostError):
+        return json.dumps({"error": f"{err}. The conversation is kept; reload the model to go on.",
+                           "device_lost": True})
+    if isinstance(err, ModelError):
+        return json.dumps({"error": str(err)})
+    return None
+
+
+def parse_request(request: str) -> dict:
+    """The page's request JSON ({"max_new_tokens", "options": RunOptions fields, "sampling":
+    {"temperature", "top_k", "top_p", "seed"}}) as ChatSession.reply's keyword arguments."""
+    from model_glue.generate import Sampling
+    from model_glue.options import RunOptions
+
+    values = json.loads(request or "{}")
+    try:
+        sampling = values.get("sampling") or {}
+        seed = sampling.get("seed")
+        return {"max_new_tokens": int(values["max_new_tokens"]),
+                "options": RunOptions.from_json(json.dumps(values.get("options") or {})),
+                "sampling": Sampling(temperature=float(sampling.get("temperature", 0)),
+                                     top_k=int(sampling.get("top_k", 40)), top_p=float(sampling.get("top_p", 1)),
+                                     seed=None if seed in (None, "") else int(seed))}
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(f"bad request setting: {err}") from err
+
+
+async def chat_reply(chat, text: str, request: str, on_text, on_step, on_prefill) -> str:
+    """One chat turn; streams text pieces, per-step stats (JSON) and prefill progress to JS callbacks."""
+    try:
+        result = await chat.reply(text, **parse_request(request), on_text=on_text,
+                                  on_step=lambda stats: on_step(json.dumps(stats)), on_prefill=on_prefill)
+    except Exception as err:
+        failure = _failure(err)
+        if failure is None:
+            raise
+        return failure
+    return json.dumps(result)
+
+
+async def chat_compare(chat, text: str, request: str, on_progress) -> str:
+    """The comparison mode: the same prompt, greedy, through each nest (JSON)."""
+    try:
+        settings = parse_request(request)
+        return json.dumps(await chat.compare(text, max_new_tokens=settings["max_new_tokens"],
+                                             options=settings["options"], on_progress=on_progress))
+    except Exception as err:
+        failure = _failure(err)
+        if failure is None:
+            raise
+        return failure
+
+
+def stop_reply(chat) -> None:
+    chat.request_stop()
+
+
+def new_chat(chat) -> None:
+    chat.reset()
+
+
+def carry_over(old_chat, new_chat) -> None:
+    """After the model is reloaded (e.g. the GPU device was lost), keep the conversation."""
+    new_chat.messages = list(old_chat.messages)
+
+
+# -- the page's benchmark (`python -m app bench page`, ../shared/tools/gpu-page) ----------------------
+async def decode_encode_benchmark(chat, steps: int, replay: bool) -> str:
+    """`steps` greedy decode steps from a one-token prompt; per step the host's encode time (JSON).
+
+    With `replay` false every pass is encoded in Python, the way the native path's first step is;
+    with it true, decode steps replay the recorded passes in one call into JS (static/replay.js).
+    The chat's KV cache is emptied (its next reply prefills the conversation again).
+    """
+    from model_glue.generate import generate
+    from model_glue.options import RunOptions
+
+    model = chat.model
+    model.reset()
+    try:
+        run = await generate(model, [chat.tokenizer.bos_id or 1], max_new_tokens=int(steps) + 1,
+                             options=RunOptions(replay=bool(replay)))
+    finally:
+        model.reset()
+    decode = [s for s in run.stats if s.kind == "decode"]
+    return json.dumps({"replay": bool(replay), "token_ids": run.token_ids,
+                       "encode_ms": [s.encode_ms for s in decode], "step_ms": [s.step_ms for s in decode],
+                       "gpu_ms": [s.gpu_ms for s in decode], "dispatches": [s.dispatches for s in decode],
+                       "replayed_by": model.replayed_by if replay else None})
+

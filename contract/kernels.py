@@ -1,0 +1,183 @@
+"""What a kernel is, as both sides see it: the paged KV layout, the decode nests, the WebGPU limits
+the kernels are built within, and typed kernel specs.
+
+A spec (`MatmulSpec`, `AttentionSpec`, `KernelRole`) is the one place a kernel's compile-time
+choices live: its artifact name and the exact buffers the runtime binds (the kernel's TVMScript
+parameter names; TVM drops a handle the kernel never reads) are derived from it. The build makes
+each kernel from its spec and fails unless the kernel declares exactly `spec.buffers`, so a flag is
+a one-place change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
+
+# -- paged KV cache and decode attention -------------------------------------------------------------
+PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
+NESTS = ("tiled", "sharded")
+NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets pick_decode_nest choose
+# The sharded family's variants (model_glue.attention picks one per step):
+#   "shards"        the seed's layout (shards own whole K/V rows), one query head per workgroup
+#   "shards_group"  the same with a whole GQA group per workgroup (where the group fits)
+#   "subgroup"      K/V rows across subgroups, head dims across a subgroup's lanes, a GQA group per
+#                   workgroup (adapters with the `subgroups` feature)
+# Each runs over the whole context in one dispatch (S = 1: it writes output and lse itself), or cut
+# into S splits (its `split` kernel writes SPLIT_WORKSPACE) followed by the merge kernel.
+SHARDED_VARIANTS = ("shards", "shards_group", "subgroup")
+MAX_SPLITS = 128  # the most splits the host picks (the workspace is sized for it)
+MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)
+
+# -- WebGPU limits the kernels are built within ----------------------------------------------------
+MAX_INVOCATIONS = 256  # WebGPU's default maxComputeInvocationsPerWorkgroup
+WORKGROUP_STORAGE_BYTES = 16384  # WebGPU's default maxComputeWorkgroupStorageSize: our kernels' bound
+# TVM's tiled decode kernel in f32 with GQA group 1 needs ~17.5 KiB; every adapter we target offers
+# 32 KiB, and the runtime checks each kernel's actual need against the adapter at load.
+TILED_WORKGROUP_STORAGE_BYTES = 32768
+
+# -- attention kernels ----------------------------------------------------------------------------------
+# The buffers of TVM's batch_decode_paged_kv signature, which both decode nests share.
+ATTENTION_INPUTS = ("Q", "pages", "page_table_indptr", "page_table_values", "length_info",
+                    "k_rope_pos_offset", "q_rope_position")
+ATTENTION_OUTPUTS = ("output", "lse")
+ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
+# A split kernel's outputs (instead of output and lse): per (sequence, query head, split) the split's
+# O (not yet divided) and (max, denominator) in the log2 domain, dense for the call's S:
+# [B, H_qo, S, D] and [B, H_qo, S, 2], f32. The merge kernel reads them.
+SPLIT_WORKSPACE = ("partial_o", "partial_stats")
+MERGE_BUFFERS = SPLIT_WORKSPACE + ATTENTION_OUTPUTS
+# The prefill attention kernel's buffers: one sequence's new queries, the layer's pages, the
+# sequence's page ids in order, and the output; scalars `start` (tokens cached before the chunk), sm_scale.
+PREFILL_ATTENTION_BUFFERS = ("q", "pages", "page_ids", "output")
+
+
+def subgroup_tag(row_lanes: int, subgroup_size: int | None = None) -> str:
+    """A subgroup-layout build's name tag: its lanes per K/V row, and the exact subgroup size it
+    is built for, if any (kernels.decode_attention_subgroup)."""
+    return f"l{row_lanes}" + (f"s{subgroup_size}" if subgroup_size else "")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention kernel of a shape: decode attention ("tiled" or a sharded-family variant, over
+    the whole context or, `split`, one split of it), the "merge" of a split call's partial states,
+    or causal "prefill" attention. `tag` names the variant's build (e.g. `subgroup_tag`)."""
+
+    variant: str
+    shape: AttentionShape
+    dtype: str
+    sliding_window: bool = False
+    split: bool = False
+    tag: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The name encodes every compile-time parameter."""
+        s, dtype = self.shape, DTYPE_TAGS[self.dtype]
+        if self.variant == "merge":  # merges the S partial states of any split variant of the shape
+            return f"decode_merge_d{s.head_dim}_qo{s.num_qo_heads}_{dtype}"
+        if self.variant == "prefill":
+            return f"prefill_attention_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}"
+        return (f"decode_{self.variant}{'_' + self.tag if self.tag else ''}{'_split' if self.split else ''}"
+                f"_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}{'_sw' if self.sliding_window else ''}")
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        if self.variant == "merge":
+            return MERGE_BUFFERS
+        if self.variant == "prefill":
+            return PREFILL_ATTENTION_BUFFERS
+        return ATTENTION_INPUTS + SPLIT_WORKSPACE if self.split else ATTENTION_BUFFERS
+
+
+def attention_kernel_name(variant: str, shape: AttentionShape, dtype: str, sliding_window: bool = False,
+                          split: bool = False, tag: str | None = None) -> str:
+    """AttentionSpec(...).name, for a decode attention kernel."""
+    return AttentionSpec(variant, shape, dtype, sliding_window, split, tag).name
+
+
+# -- the model's kernels --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MatmulSpec:
+    """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
+    scale), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
+    the SwiGLU after it (W holds the gate rows, then the up rows), a residual add (`resid`).
+    Decode passes run kernels.llama.quantized_matmul (one token); prefill passes (`tiled`) run
+    kernels.prefill_matmul (tiles of tokens x weight rows, q4 only)."""
+
+    out_features: int
+    in_features: int
+    dtype: str
+    weights: str = "q4"
+    residual: bool = False
+    norm_eps: float | None = None
+    swiglu: bool = False
+    out_dtype: str | None = None  # y's dtype (default: dtype); the head writes f32 logits
+    tiled: bool = False
+
+    @property
+    def builder(self) -> str:
+        return "quantized_matmul_tiled" if self.tiled else "quantized_matmul"
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return ("x",) + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
+            + ("resid",) * self.residual + ("y",)
+
+    @property
+    def args(self) -> tuple:
+        return (self,)
+
+
+@dataclass(frozen=True)
+class KernelRole:
+    """A model kernel other than a matmul: its builder in kernels/, the builder's arguments and the
+    buffer names the runtime binds."""
+
+    builder: str
+    args: tuple
+    buffers: tuple[str, ...]
+
+
+# The layer's matmuls, each with what is folded into it (LAYER_MATMULS[m] gives the weight matrix it
+# reads). On GPUs a layer is norm_qkv, RoPE/append, attention, o_residual, norm_gate_up_swiglu and
+# down_residual; CPU rasterizers run rms_norm, qkv, ..., rms_norm, gate_up, swiglu, down_residual.
+LAYER_MATMULS = {
+    "norm_qkv": "qkv",  # qkv = norm(x) @ Wqkv^T
+    "qkv": "qkv",
+    "o_residual": "o",  # x_mid = x + attn @ Wo^T
+    "norm_gate_up_swiglu": "gate_up",  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
+    "gate_up": "gate_up",
+    "down_residual": "down",  # x = x_mid + h @ Wdown^T
+}
+
+
+def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
+    """role -> spec of every kernel of a model's forward pass, decode attention apart (the runtime
+    finds them as `model_kernel_name(config_name, role, dtype)`)."""
+    weights = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
+               "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
+    roles = {
+        "embed": KernelRole("embedding_q8", (c.vocab_size, c.dim, dtype), ("ids", "q8", "scale", "out")),
+        "rms_norm": KernelRole("rms_norm", (c.dim, c.rms_eps, dtype), ("x", "weight", "out")),
+        "rope_append": KernelRole("rope_and_append", (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype),
+                                  ("qkv", "positions", "slots", "pages", "q")),
+        "swiglu": KernelRole("swiglu", (c.ffn_dim, dtype), ("gate_up", "h")),
+        # the head: the tied embedding (q8), f32 logits for the argmax or the sampler
+        "norm_lm_head": MatmulSpec(c.vocab_size, c.dim, dtype, "q8", norm_eps=c.rms_eps, out_dtype="float32"),
+        "lm_head": MatmulSpec(c.vocab_size, c.dim, dtype, "q8", out_dtype="float32"),
+        "argmax": KernelRole("argmax", (c.vocab_size,), ("logits", "out")),
+        "sample": KernelRole("sample_top_k_top_p", (c.vocab_size, MAX_TOP_K), ("logits", "out")),
+    }
+    for phase in ("decode", "prefill"):
+        for matmul, weight in LAYER_MATMULS.items():
+            roles[f"{matmul}_{phase}"] = MatmulSpec(
+                *weights[weight], dtype, residual=matmul.endswith("_residual"),
+                norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
+                tiled=phase == "prefill")
+    return roles
+
+
+def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
+    return f"{config_name}_{role}_{DTYPE_TAGS[dtype]}"

@@ -1,0 +1,138 @@
+"""Loading a converted model: the manifest and its checks, the weights (sha256, upload), the kernels.
+
+`load_model` is the one way in: it refuses an artifact or an adapter that cannot run the model
+before it reads the weights, then hands a ready `LlamaModel` back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
+from contract.kernels import SHARDED_VARIANTS, AttentionSpec, llama_kernels, model_kernel_name, subgroup_tag
+from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, LlamaConfig
+from model_glue.attention import pick_subgroup_build
+from model_glue.errors import ModelError
+from model_glue.kernel import unmet_limits
+from model_glue.kv_cache import PagedKVCache
+from model_glue.model import LlamaModel
+from model_glue.options import RunOptions
+from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
+
+
+async def load_model(device, library, read_text, read_bytes, *, options: RunOptions = RunOptions(),
+                     dtype: str | None = None, progress=lambda message: None,
+                     verified_sha256: str | None = None) -> LlamaModel:
+    """Load a converted artifact (manifest.json + weights.bin) through async readers.
+
+    Each tensor's sha256 is checked, unless `verified_sha256` (the whole file's hash, which the
+    caller already checked the bytes against) equals the manifest's `weights_sha256`.
+    """
+    try:
+        manifest = json.loads(await read_text(MANIFEST))
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read the model manifest: {err}") from err
+    if manifest.get("format") != MODEL_ARTIFACT_FORMAT or manifest.get("kind") != MODEL_ARTIFACT_KIND:
+        raise ModelError(f"unsupported model artifact {manifest.get('kind')!r} v{manifest.get('format')} "
+                         f"(this runtime reads {MODEL_ARTIFACT_KIND!r} v{MODEL_ARTIFACT_FORMAT}): re-convert it "
+                         "with `make setup`")
+    config_name = manifest.get("config_name")
+    config = _checked_config(config_name, manifest["config"])
+    options = options.resolved(is_cpu=device.is_cpu, context_length=manifest["context_length"])
+    dtype = dtype or ("float16" if device.has_f16 else "float32")
+    if dtype == "float16" and not device.has_f16:
+        raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
+    names = _kernel_names(library, config_name, config, dtype)
+    attention_names = _attention_kernel_names(library, config, dtype, device)
+    esize = DTYPE_BYTES[dtype]
+    _check_limits(device, library, list(names.values()) + [attention_names["tiled"], attention_names["prefill"]], {
+        "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
+        "one layer's KV cache": PagedKVCache.layer_bytes(config, esize, options.max_context),
+        "the largest activation buffer": max(LlamaModel.scratch_sizes(config, esize, options.prefill_chunk,
+                                                                      options.max_context).values()),
+    })
+    progress(f"reading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
+    try:
+        blob = await read_bytes(manifest["weights_file"])
+    except OSError as err:
+        raise ModelError(f"cannot download the weights: {err}") from err
+    if len(blob) != manifest["total_bytes"]:
+        raise ModelError(f"weights file has {len(blob)} bytes, the manifest says {manifest['total_bytes']}"
+                         " (incomplete download or corrupted artifact)")
+    check_tensors = verified_sha256 is None or verified_sha256 != manifest.get("weights_sha256")
+    progress("checking each tensor's sha256 and uploading it to the GPU" if check_tensors else
+             "uploading the weights to the GPU (the whole file's sha256 was checked)")
+    view = memoryview(blob)
+    weights = {}
+    for name, t in manifest["tensors"].items():
+        data = view[t["offset"]:t["offset"] + t["nbytes"]]
+        if check_tensors and hashlib.sha256(data).hexdigest() != t["sha256"]:
+            raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
+        weights[name] = device.storage_buffer(t["nbytes"], data)
+    progress("compiling kernels")
+    kernels = {role: await library.kernel(name) for role, name in names.items()}
+    model = LlamaModel(device, library, config, config_name, dtype, weights, kernels, attention_names, options)
+    await model.compile_attention()
+    return model
+
+
+def _checked_config(config_name: str | None, values: dict) -> LlamaConfig:
+    """The artifact's config, which must be the contract's config of that name (the kernels' shapes)."""
+    if config_name not in ALL_MODEL_CONFIGS:
+        raise ModelError(f"the model artifact is for config {config_name!r}, which has no kernels here "
+                         f"(known: {sorted(ALL_MODEL_CONFIGS)}); add it to contract/model.py and rebuild")
+    config = LlamaConfig.from_dict(values)
+    if config != ALL_MODEL_CONFIGS[config_name]:
+        raise ModelError(f"the model artifact's {config_name!r} config differs from the contract's; "
+                         "re-convert it with `make setup`")
+    return config
+
+
+def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) -> dict[str, str]:
+    """Artifact kernel name of every role the forward pass runs (decode attention apart)."""
+    names = {role: model_kernel_name(config_name, role, dtype) for role in llama_kernels(config, dtype)}
+    missing = sorted(name for name in names.values() if name not in library.specs)
+    if missing:
+        raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "
+                         "rebuild it with `python -m app build`")
+    return names
+
+
+def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) -> dict:
+    """"prefill", "tiled", "merge" and (variant, split) -> artifact name, for the attention kernels the
+    artifact holds for the model's shape and this device runs (prefill, tiled, the merge and "shards"
+    must be there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
+    shape = config.attention_shape
+    names = {key: AttentionSpec(key, shape, dtype).name for key in ("prefill", "tiled", "merge")}
+    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
+        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
+        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
+    build = pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
+    tags = {"subgroup": subgroup_tag(*build) if build else None}
+    for variant in SHARDED_VARIANTS:
+        if variant == "subgroup" and build is None:
+            continue
+        for split in (False, True):
+            name = AttentionSpec(variant, shape, dtype, split=split, tag=tags.get(variant)).name
+            if name in library.specs:
+                names[variant, split] = name
+    missing = [key for key in ("tiled", "merge", "prefill", ("shards", False), ("shards", True))
+               if key not in names or names[key] not in library.specs]
+    if missing:
+        raise ModelError(f"the kernel artifact lacks the attention kernels of this model ({missing}); "
+                         "rebuild it with `python -m app build`")
+    return names
+
+
+def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -> None:
+    """Refuse an adapter below what the model's kernels and buffers need, naming each limit."""
+    unmet = []
+    for name in kernel_names:
+        unmet += unmet_limits(library.specs[name], device.limits)
+    for limit in BUFFER_LIMITS:
+        have = device.limits.get(limit)
+        unmet += [f"{limit} is {have} on this adapter, but {what} needs {nbytes} bytes"
+                  for what, nbytes in buffer_bytes.items() if have is not None and nbytes > have]
+    if unmet:
+        raise AdapterLimitError("this GPU adapter's limits are too low for the model: " + "; ".join(unmet))

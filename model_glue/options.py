@@ -1,0 +1,92 @@
+"""How a model runs: one `RunOptions` object, checked once, flowing one way.
+
+The page (or a benchmark, a test, the CLI) builds it; `ChatSession.reply` and `generate` pass it
+on unchanged; `LlamaModel.use` checks it against the loaded model and makes it the options of the
+passes that follow. `max_context` is chosen at load (it sizes the KV cache); every other field may
+change per request. A None field means "this adapter's default" (`resolved`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+from contract.kernels import NEST_CHOICES
+from model_glue.attention import parse_sharded_override
+from model_glue.errors import ModelError
+
+# Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
+# A GPU wants large chunks: the prefill kernels' tiles (128 tokens x 64 weight rows, 64 query rows)
+# fill its SMs only from a few thousand tokens on (H200, `python -m app bench prefill`: 3,000 tokens
+# at 26k tok/s in chunks of 2,048, 35k in one of 4,096). A CPU rasterizer has no idle cores to fill,
+# and smaller chunks keep the stop button responsive there.
+GPU_PREFILL_CHUNK = 4096
+CPU_PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    # Tokens the KV cache holds (prompt + reply), at most the model's context length. Load time only.
+    max_context: int | None = None
+    # The decode attention nest: "auto" (pick_decode_nest), or "tiled" / "sharded" forced (comparison mode).
+    attention: str = "auto"
+    # The sharded family held to a variant and split count, e.g. "shards:8" (benchmarks, tests); None: the adapter's rule.
+    variant: str | None = None
+    # Replay recorded decode passes (in the page: one call into JS); False encodes every pass in Python.
+    replay: bool = True
+    # Fold each RMSNorm into the matmul after it and SwiGLU into gate/up (6 dispatches a layer instead
+    # of 9). None: on GPUs, not on CPU rasterizers (there the folds cost more than the dispatches they save).
+    fold_norms: bool | None = None
+    # Prompt tokens per prefill pass. None: GPU_PREFILL_CHUNK on GPUs, CPU_PREFILL_CHUNK on CPU rasterizers.
+    prefill_chunk: int | None = None
+
+    def check(self) -> "RunOptions":
+        """This object if every field is valid, else a ModelError naming the field."""
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 1):
+            raise ModelError(f"max_context must be a positive number of tokens, not {self.max_context!r}")
+        if self.attention not in NEST_CHOICES:
+            raise ModelError(f"attention must be one of {', '.join(NEST_CHOICES)}, not {self.attention!r}")
+        if self.variant is not None:
+            try:
+                parse_sharded_override(self.variant)
+            except ValueError as err:
+                raise ModelError(str(err)) from err
+        if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False):
+            raise ModelError("replay and fold_norms are true or false")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
+        return self
+
+    def resolved(self, *, is_cpu: bool, context_length: int) -> "RunOptions":
+        """Every None filled with this adapter's default; max_context capped at the model's context."""
+        self.check()
+        return replace(self, max_context=min(self.max_context or context_length, context_length),
+                       fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
+                       prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK))
+
+    def merged(self, request: "RunOptions | None") -> "RunOptions":
+        """A request's options over these (resolved) ones: the request's None fields keep ours."""
+        if request is None:
+            return self
+        request.check()
+        if request.max_context not in (None, self.max_context):
+            raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
+                             f"load it again for {request.max_context}")
+        return replace(self, attention=request.attention, variant=request.variant, replay=request.replay,
+                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk") if getattr(request, f) is not None})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "RunOptions":
+        """The page's options ({"attention": "tiled", ...}); unknown names are refused."""
+        try:
+            values = json.loads(text or "{}")
+        except ValueError as err:
+            raise ModelError(f"bad run options: {err}") from err
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ModelError(f"unknown run options {unknown} (known: {sorted(known)})")
+        return cls(**values).check()
+
+    def to_json(self) -> dict:
+        return asdict(self)

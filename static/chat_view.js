@@ -1,0 +1,203 @@
+// The chat: messages, a reply streamed in, the comparison of the two nests, New chat. Python does
+// the work (chat/page.py); every call passes the chat handle back and gets JSON.
+import { COLORS, drawSteps } from "./charts.js";
+import { clearRuns, recordRun } from "./export.js";
+import { chatError, deviceLost, errorText } from "./faults.js";
+import { drawOverlayChart, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
+import { $, definitionList, fmt, state } from "./ui.js";
+
+const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
+
+// The reply or comparison in flight (a promise), so New chat can stop it and wait for it.
+let running = null;
+
+export function setBusy(busy) {
+  state.busy = busy;
+  const blocked = busy || state.deviceLost !== null;
+  $("send").disabled = blocked; $("compare").disabled = blocked;
+  $("stop").disabled = !busy;
+}
+
+export function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = `msg ${role}`;
+  const body = document.createElement("span");
+  body.textContent = text;
+  div.append(body);
+  $("messages").append(div);
+  return div;
+}
+
+// Ends a reply's bubble: its token ids when the text shows nothing, then count, stop reason, speed.
+export function finishReply(bubble, body, result) {
+  if (!result.text.trim()) {  // nothing visible (e.g. only whitespace or special tokens): show the ids
+    body.textContent = result.text;
+    const ids = document.createElement("span");
+    ids.className = "ids";
+    ids.textContent = `(no visible text; token ids: ${result.token_ids.join(" ")})`;
+    bubble.append(ids);
+  }
+  const meta = document.createElement("span");
+  meta.className = "meta";
+  const seed = result.seed === null ? "" : ` · seed ${result.seed}`;
+  meta.textContent = `${result.token_ids.length} tokens · ${result.stop_reason}${seed} · ${speedText(result.speed)}`;
+  bubble.append(meta);
+}
+
+// The request chat.page.parse_request reads: tokens to generate, run options, sampling.
+function request() {
+  return JSON.stringify({
+    max_new_tokens: Number($("max-tokens").value) || state.info.default_max_new_tokens,
+    options: { attention: $("attention").value },
+    sampling: { temperature: Number($("temperature").value) || 0, top_k: Number($("top-k").value),
+      top_p: Number($("top-p").value), seed: $("seed").value === "" ? null : Number($("seed").value) },
+  });
+}
+
+export function send(app) {
+  if (state.busy || state.deviceLost) return;
+  running = reply(app).finally(() => { running = null; });
+}
+
+async function reply(app) {
+  const text = $("prompt").value;
+  if (!text.trim()) { chatError("The message is empty."); return; }
+  chatError("");
+  setBusy(true);
+  state.prefill = null;
+  const userDiv = addMessage("user", text);
+  const bubble = addMessage("assistant", "");
+  const body = bubble.querySelector("span");
+  // The box is free for the next message while this one runs; if the turn fails, the text comes
+  // back (unless something new was typed meanwhile): nothing typed is lost.
+  $("prompt").value = "";
+  const giveBack = () => { if (!$("prompt").value) $("prompt").value = text; };
+  try {
+    const result = JSON.parse(await app.page.chat_reply(app.chat, text, request(),
+      (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)), showPrefill));
+    if (result.device_lost) {
+      // Keep what was shown (the partial reply too) and the typed text; offer a reload.
+      bubble.classList.add("interrupted");
+      giveBack();
+      deviceLost(result.error, setBusy);
+      return;
+    }
+    if (result.error) {
+      userDiv.remove(); bubble.remove();
+      giveBack();
+      chatError(result.error);
+      return;
+    }
+    if (result.stop_reason === state.info.stopped_in_prefill) {
+      userDiv.remove(); bubble.remove();
+      giveBack();
+      chatError("Stopped before the first token. Your message is back in the box.");
+      state.lastReply = { text: "", stop_reason: result.stop_reason };
+      return;
+    }
+    finishReply(bubble, body, result);
+    showSpeed(result.speed);
+    recordRun(`chat ${state.replies.filter((r) => r.reply.startsWith("chat")).length + 1}`, result);
+    state.lastReply = { text: result.text, stop_reason: result.stop_reason, speed: result.speed,
+      seed: result.seed, token_ids: result.token_ids, prompt_tokens: result.prompt_tokens };
+  } catch (err) {
+    giveBack();
+    if (state.deviceLost) {  // reported by the device's `lost` promise: keep what was shown
+      bubble.classList.add("interrupted");
+      return;
+    }
+    bubble.remove();
+    chatError(`Generation failed: ${errorText(err)}`);
+  } finally {
+    setBusy(false);
+  }
+}
+
+export function compare(app) {
+  if (state.busy || state.deviceLost) return;
+  running = compareNests(app).finally(() => { running = null; });
+}
+
+async function compareNests(app) {
+  const text = $("prompt").value;
+  if (!text.trim()) { chatError("The message is empty."); return; }
+  chatError("");
+  setBusy(true);
+  $("compare-panel").hidden = false;
+  $("compare-verdict").textContent = "running…";
+  $("compare-tiled").textContent = ""; $("compare-sharded").textContent = "";
+  try {
+    const result = JSON.parse(await app.page.chat_compare(app.chat, text, request(),
+      (nest) => { $("compare-verdict").textContent = `running the ${nest} nest…`; }));
+    if (result.error) {
+      $("compare-verdict").textContent = "";
+      if (result.device_lost) deviceLost(result.error, setBusy); else chatError(result.error);
+      return;
+    }
+    const shown = (run) => (run.text.trim() ? run.text : `(no visible text; token ids: ${run.token_ids.join(" ")})`);
+    $("compare-tiled").textContent = shown(result.runs.tiled);
+    $("compare-sharded").textContent = shown(result.runs.sharded);
+    $("compare-verdict").textContent = result.identical
+      ? "Identical greedy text."
+      : `Texts first differ at generated token ${result.first_divergence}.`;
+    showCompareFigures(result);
+    const series = Object.keys(result.runs).map((nest) => ({
+      label: nest === "tiled" ? "tiled nest" : "sharded family", color: COLORS[nest],
+      points: result.runs[nest].stats.filter((s) => s.kind === "decode" && s.attention_ms !== null)
+        .map((s) => ({ x: s.context, y: s.attention_ms, nest })),
+    }));
+    state.compareChart = drawSteps($("compare-chart"), series, { switchAt: state.info.switch_at });
+    const n = state.replies.filter((r) => r.reply.startsWith("compare")).length / 2 + 1;
+    for (const nest of Object.keys(result.runs)) recordRun(`compare ${n} ${nest}`, result.runs[nest]);
+    state.lastCompare = { identical: result.identical, first_divergence: result.first_divergence,
+      teacher_forced: result.teacher_forced, past_switch: result.past_switch,
+      prompt_tokens: result.runs.tiled.prompt_tokens };
+  } catch (err) {
+    chatError(`Comparison failed: ${errorText(err)}`);
+  } finally {
+    setBusy(false);
+  }
+}
+
+function showCompareFigures(result) {
+  const forced = result.teacher_forced, past = result.past_switch, switchAt = state.info.switch_at;
+  const agreement = forced.steps
+    ? `${(100 * forced.match_rate).toFixed(1)}% (${forced.matches} of ${forced.steps} steps: the sharded family ` +
+      "fed the tiled run's tokens picks the same top-1)"
+    : "no generated steps";
+  const med = past.median_attention_ms;
+  const speedup = past.speedup === null
+    ? `no decode steps past ${switchAt} tokens of context (try Long document)` + (med.tiled === null && past.steps.tiled
+      ? "; this adapter has no GPU timestamps" : "")
+    : `tiled ${fmt(med.tiled, 3)} ms, sharded ${fmt(med.sharded, 3)} ms: ${past.speedup.toFixed(2)}x faster ` +
+      `(median over ${past.steps.sharded} steps)`;
+  definitionList($("compare-figures"), [["prompt", `${result.runs.tiled.prompt_tokens} tokens`],
+    ["teacher-forced agreement", agreement], [`attention past ${switchAt} tokens`, speedup]]);
+}
+
+export async function fillLongDocument() {
+  try {
+    const response = await fetch(new URL("./long_document.txt", location.href));
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    $("prompt").value = (await response.text()).trim() + LONG_DOCUMENT_QUESTION;
+    chatError("");
+  } catch (err) {
+    chatError(`Cannot load the long document: ${errorText(err)}`);
+  }
+}
+
+// Stops the reply in flight, if any, and waits for it to end.
+export async function stopRunning(app) {
+  if (running) { app.page.stop_reply(app.chat); await running; }
+}
+
+export async function newChat(app) {
+  await stopRunning(app);  // a reply in flight ends first
+  app.page.new_chat(app.chat);
+  $("messages").replaceChildren();
+  state.steps = [];
+  clearRuns();
+  showSpeed(null);
+  drawOverlayChart();
+  chatError("");
+}

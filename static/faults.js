@@ -1,0 +1,45 @@
+// What goes wrong, said plainly: Python errors, a failed start, a lost GPU device, and main-thread
+// tasks long enough to freeze the page (recorded for the tests).
+import { $, state } from "./ui.js";
+
+// Main-thread tasks over 50 ms (the browser's definition), to check that a reply keeps the page usable.
+export function watchLongTasks() {
+  try {
+    new PerformanceObserver((list) => {
+      for (const e of list.getEntries()) state.longTasks.push({ start: e.startTime, duration: e.duration });
+    }).observe({ type: "longtask", buffered: true });
+  } catch { /* no Long Tasks API: nothing recorded */ }
+}
+
+// A Python exception reaches JS as a PythonError whose message is the whole traceback: show its
+// last line, without the module path of the exception class.
+export function errorText(err) {
+  const text = String((err && err.message) || err).trim();
+  if (!err || err.type === undefined) return text;
+  const last = text.split("\n").filter((line) => line.trim()).pop() || text;
+  return last.replace(/^[\w.]*\.(\w+: )/, "$1");
+}
+
+export function fail(message) {
+  for (const li of $("progress").querySelectorAll("li.active")) li.className = "";
+  $("status-details").open = true;
+  $("status-summary").textContent = "failed";
+  $("error").textContent = message;
+  $("error").hidden = false;
+  state.error = message;
+}
+
+export function chatError(message) {
+  $("chat-error").textContent = message || "";
+  $("chat-error").hidden = !message;
+}
+
+// The GPU device can be lost at any time (driver reset, another tab, device.destroy()). The page
+// says so, keeps everything on screen and in the box, and offers to load the model again.
+export function deviceLost(message, setBusy) {
+  if (state.deviceLost) return;
+  state.deviceLost = message;
+  $("device-lost-text").textContent = message;
+  $("device-lost").hidden = false;
+  setBusy(state.busy);
+}

@@ -1,0 +1,38 @@
+// The timing overlay: the last pass's figures, the reply's speed, attention per decode step.
+import { drawSteps } from "./charts.js";
+import { $, fmt, state } from "./ui.js";
+
+export function speedText(speed) {
+  const ttft = speed.ttft_ms === null ? "–" : `${Math.round(speed.ttft_ms)} ms`;
+  return `TTFT ${ttft} · prefill ${speed.prefill_tokens} tok (${speed.reused_tokens} reused) at ` +
+    `${fmt(speed.prefill_tok_s)} tok/s · decode ${fmt(speed.decode_tok_s)} tok/s`;
+}
+
+export function drawOverlayChart() {
+  const points = state.steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
+    .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
+  state.overlayChart = drawSteps($("overlay-chart"), [{ label: "this chat", color: "#777", points }],
+    { switchAt: state.info.switch_at });
+}
+
+export function updateOverlay(stats) {
+  state.steps.push(stats);
+  const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
+  const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
+  $("overlay-last").textContent =
+    `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · GPU ${gpu} · ` +
+    `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ${stats.dispatches} dispatches`;
+  $("overlay-note").textContent = stats.timing_note || "";
+  drawOverlayChart();
+  $("overlay").hidden = false;
+}
+
+export function showPrefill(done, total) {
+  state.prefill = { done, total };
+  $("overlay-last").textContent = `prefill ${done}/${total} tokens`;
+  $("overlay").hidden = false;
+}
+
+export function showSpeed(speed) {
+  $("overlay-speed").textContent = speed ? speedText(speed) : "";
+}

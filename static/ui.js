@@ -1,0 +1,22 @@
+// What every module of the page shares: element lookup and window.demoState, the page's state
+// (read by the tests and by ../shared/tools/gpu-page). Text from the model or the user is only
+// ever set through textContent, never as HTML.
+export const $ = (id) => document.getElementById(id);
+
+// steps: this conversation's live per-step stats (the overlay); replies: every finished reply or
+// comparison run with its speed figures and complete step table (the export); info: the loaded
+// model's applied options and the runtime's constants (chat.page.chat_info).
+export const state = window.demoState = { ready: false, chatReady: false, busy: false, steps: [], replies: [],
+  deviceLost: null, longTasks: [], info: null };
+
+export const fmt = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
+export const MiB = (bytes) => (bytes / 2 ** 20).toFixed(1);
+
+export function definitionList(dl, rows) {
+  dl.replaceChildren();
+  for (const [k, v] of rows) {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v;
+    dl.append(dt, dd);
+  }
+}
