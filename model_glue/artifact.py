@@ -6,6 +6,7 @@ disk (native) or over HTTP from the page's origin (browser).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class KernelLibrary:
         self.device = device
         self.specs = {name: KernelSpec.from_json(entry) for name, entry in manifest["kernels"].items()}
         self._read_text = read_text
-        self._compiled: dict[str, Kernel] = {}
+        self._compiled: dict[str, asyncio.Future] = {}  # name -> its compile, started once
 
     @classmethod
     async def load(cls, device, read_text) -> "KernelLibrary":
@@ -92,13 +93,30 @@ class KernelLibrary:
         return [n for n, s in self.specs.items() if all(s.meta.get(k) == v for k, v in meta.items())]
 
     async def kernel(self, name: str) -> Kernel:
+        """The compiled kernel. Compiles started together run together (the browser builds async
+        pipelines on its worker threads); a kernel asked for twice is compiled once."""
         if name not in self._compiled:
             if name not in self.specs:
                 raise ArtifactError(f"kernel {name!r} is not in this artifact")
-            spec = self.specs[name]
-            try:
-                wgsl = await self._read_text(spec.wgsl)
-            except OSError as err:
-                raise ArtifactError(f"kernel {name}: {err}") from err
-            self._compiled[name] = await Kernel.compile(self.device, spec, wgsl)
-        return self._compiled[name]
+            self._compiled[name] = asyncio.ensure_future(self._compile(name))
+        try:
+            return await asyncio.shield(self._compiled[name])
+        except Exception:
+            self._compiled.pop(name, None)  # a failed compile may be retried
+            raise
+
+    async def kernels(self, names) -> list[Kernel]:
+        """Several kernels, compiled concurrently; the first failure is raised once all have ended."""
+        results = await asyncio.gather(*(self.kernel(name) for name in names), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+    async def _compile(self, name: str) -> Kernel:
+        spec = self.specs[name]
+        try:
+            wgsl = await self._read_text(spec.wgsl)
+        except OSError as err:
+            raise ArtifactError(f"kernel {name}: {err}") from err
+        return await Kernel.compile(self.device, spec, wgsl)

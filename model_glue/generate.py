@@ -97,7 +97,7 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
     sampling.check()
     try:
         model.kv.check_fits(len(prompt_ids), max_new_tokens)
-        await model.use(options)
+        await model.use(options, sampling)
     except ModelError:
         model.reset()  # the next request starts from an empty cache
         raise

@@ -6,6 +6,7 @@ before it reads the weights, then hands a ready `LlamaModel` back.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 
@@ -71,9 +72,8 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
             raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
         weights[name] = device.storage_buffer(t["nbytes"], data)
     progress("compiling kernels")
-    kernels = {role: await library.kernel(name) for role, name in names.items()}
-    model = LlamaModel(device, library, config, config_name, dtype, weights, kernels, attention_names, options)
-    await model.compile_attention()
+    model = LlamaModel(device, library, config, config_name, dtype, weights, names, attention_names, options)
+    await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
     return model
 
 

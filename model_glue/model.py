@@ -52,6 +52,17 @@ class StepStats:
     dispatches: int = 0  # compute dispatches in the pass
 
 
+def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
+    """The kernel roles `_encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
+    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler.
+    Only these are compiled."""
+    matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
+        ["qkv", "o_residual", "gate_up", "down_residual"]
+    apart = [] if fold_norms else ["rms_norm", "swiglu"]
+    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *apart,
+            "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
+
+
 class PlanKey(NamedTuple):
     """What fixes the dispatches of a decode pass: its attention kernels and argmax vs sampler."""
 
@@ -105,7 +116,7 @@ class LlamaModel:
     model_glue.loading.load_model)."""
 
     def __init__(self, device, library, config: LlamaConfig, config_name: str, dtype: str, weights: dict,
-                 kernels: dict, attention_names: dict, options: RunOptions):
+                 kernel_names: dict, attention_names: dict, options: RunOptions):
         self.device = device
         self.library = library
         self.config = config
@@ -113,7 +124,8 @@ class LlamaModel:
         self.dtype = dtype
         self.esize = DTYPE_BYTES[dtype]
         self.weights = weights
-        self.kernels = kernels  # role -> Kernel (contract.kernels.llama_kernels)
+        self.kernel_names = kernel_names  # role -> artifact name (contract.kernels.llama_kernels)
+        self.kernels: dict = {}  # role -> Kernel, compiled for the roles the options use (`compile_roles`)
         self.options = options  # as loaded (resolved); a request's options are merged over them
         self.run = options  # the options of the passes being submitted (`use`)
         self.kv = PagedKVCache(device, config, self.esize, options.max_context)
@@ -149,16 +161,23 @@ class LlamaModel:
         if variant is None:
             variant = self._pick_variant([self.kv.capacity]).variant
         split = not self.device.is_cpu if split is None else split
-        for key in ["prefill", "tiled", (variant, False)] + ([(variant, True), "merge"] if split else []):
-            if key not in self.attention:
-                if key not in self.attention_names:
-                    raise ModelError(f"the kernel artifact has no {variant!r} decode attention for this model")
-                self.attention[key] = await self.library.kernel(self.attention_names[key])
+        wanted = [key for key in ["prefill", "tiled", (variant, False)] + ([(variant, True), "merge"] if split else [])
+                  if key not in self.attention]
+        if any(key not in self.attention_names for key in wanted):
+            raise ModelError(f"the kernel artifact has no {variant!r} decode attention for this model")
+        compiled = await self.library.kernels(self.attention_names[key] for key in wanted)  # concurrently
+        self.attention.update(zip(wanted, compiled))
 
-    async def use(self, request: RunOptions | None) -> None:
+    async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
+        """Compile the model kernels a forward pass with these folds and this token choice runs."""
+        wanted = [role for role in forward_roles(fold_norms, greedy) if role not in self.kernels]
+        self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
+
+    async def use(self, request: RunOptions | None, sampling=None) -> None:
         """Make `request` (merged over the loaded options) the options of the next passes: checked
-        here once, its forced variant's kernels compiled."""
+        here once, the kernels it needs (a forced variant's, other folds', the sampler) compiled."""
         run = self.options.merged(request)
+        await self.compile_roles(run.fold_norms, sampling is None or sampling.greedy)
         if run.variant is not None:
             choice = parse_sharded_override(run.variant)
             if choice.variant == "subgroup" and not self.runs_subgroups:
