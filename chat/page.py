@@ -60,9 +60,25 @@ async def open_session(base_url: str) -> Session:
     return await Session.open(http_readers(base_url)[0])
 
 
+# Chromium's Dawn blocklists shader-f16 on NVIDIA (crbug.com/42251215) although the driver supports
+# it; this Dawn toggle lifts it (the f16 kernels then ran correctly on an H200, docs/benchmarks.md).
+NVIDIA_F16_FLAG = "--enable-dawn-features=vulkan_enable_f16_on_nvidia"
+
+
+def shader_f16_note(adapter_name: str, has_f16: bool) -> str:
+    """What the page says about shader-f16: which kernels run, and on NVIDIA without it, why and the fix."""
+    if has_f16:
+        return "yes (f16 kernels)"
+    if "nvidia" in adapter_name.lower():
+        return ("no (f32 kernels): Chromium turns shader-f16 off on NVIDIA GPUs (crbug.com/42251215); start it "
+                f"with {NVIDIA_F16_FLAG} to run the f16 kernels")
+    return "no (f32 kernels)"
+
+
 def describe_device(session: Session) -> str:
-    """The adapter's name, backend and features (JSON)."""
-    return json.dumps(session.device.describe())
+    """The adapter's name, backend and features, and what the page says about shader-f16 (JSON)."""
+    device = session.device
+    return json.dumps({**device.describe(), "shader_f16_note": shader_f16_note(device.adapter_name, device.has_f16)})
 
 
 async def self_test(session: Session) -> str:
@@ -181,6 +197,44 @@ def new_chat(chat) -> None:
 def carry_over(old_chat, new_chat) -> None:
     """After the model is reloaded (e.g. the GPU device was lost), keep the conversation."""
     new_chat.messages = list(old_chat.messages)
+
+
+# -- the kernel lab ------------------------------------------------------------------------------
+def lab_defaults(session) -> str:
+    """The lab's default contexts and iterations on this adapter, and why they are smaller on a CPU (JSON)."""
+    from chat import lab
+
+    cpu = session.device.is_cpu
+    return json.dumps({"contexts": list(lab.CPU_LAB_CONTEXTS if cpu else lab.LAB_CONTEXTS),
+                       "iters": lab.CPU_ITERS if cpu else lab.ITERS, "max_context": max(lab.LAB_CONTEXTS),
+                       "note": ("a CPU rasterizer: small contexts and few iterations by default (each call takes "
+                                "milliseconds to seconds)") if cpu else ""})
+
+
+async def kernel_lab(session, chat, request: str, on_row) -> str:
+    """Run the kernel lab (chat.lab) with the page's {"contexts": [...], "iters": n}; streams each
+    row (JSON) to on_row; returns the whole result (JSON). `chat` (None: no model loaded) adds the
+    loaded model's shape."""
+    from chat import lab
+
+    try:
+        values = json.loads(request or "{}")
+        contexts = [int(c) for c in values.get("contexts") or []]
+        iters = int(values.get("iters") or 0) or None
+    except (TypeError, ValueError) as err:
+        return json.dumps({"error": f"bad lab setting: {err}"})
+    if any(not 1 <= c <= max(lab.LAB_CONTEXTS) for c in contexts) or (iters is not None and not 1 <= iters <= 200):
+        return json.dumps({"error": f"contexts must be 1..{max(lab.LAB_CONTEXTS)} tokens and iterations 1..200"})
+    try:
+        # `chat` is the page's ChatSession, or JS null (Pyodide's JsNull) with ?model=off
+        result = await lab.run_lab(session, model=getattr(chat, "model", None), contexts=contexts,
+                                   iters=iters, on_row=lambda row: on_row(json.dumps(row)))
+    except Exception as err:
+        failure = _failure(err)
+        if failure is None:
+            raise
+        return failure
+    return json.dumps(result)
 
 
 # -- the page's benchmark (`python -m app bench page`, ../shared/tools/gpu-page) ----------------------

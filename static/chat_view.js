@@ -3,7 +3,7 @@
 import { COLORS, drawSteps } from "./charts.js";
 import { clearRuns, recordRun } from "./export.js";
 import { chatError, deviceLost, errorText } from "./faults.js";
-import { drawOverlayChart, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
+import { clearOverlay, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
 import { $, definitionList, fmt, state } from "./ui.js";
 
 const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
@@ -147,6 +147,7 @@ async function compareNests(app) {
         .map((s) => ({ x: s.context, y: s.attention_ms, nest })),
     }));
     state.compareChart = drawSteps($("compare-chart"), series, { switchAt: state.info.switch_at });
+    showComparison(series);
     const n = state.replies.filter((r) => r.reply.startsWith("compare")).length / 2 + 1;
     for (const nest of Object.keys(result.runs)) recordRun(`compare ${n} ${nest}`, result.runs[nest]);
     state.lastCompare = { identical: result.identical, first_divergence: result.first_divergence,
@@ -197,7 +198,6 @@ export async function newChat(app) {
   $("messages").replaceChildren();
   state.steps = [];
   clearRuns();
-  showSpeed(null);
-  drawOverlayChart();
+  clearOverlay();
   chatError("");
 }

@@ -7,6 +7,7 @@ import { loadPyodide } from "./pyodide/pyodide.mjs";
 import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setBusy, stopRunning } from "./chat_view.js";
 import { exportSteps } from "./export.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
+import { setUpLab } from "./lab.js";
 import { replayComputePasses } from "./replay.js";
 import { $, definitionList, MiB, state } from "./ui.js";
 import { cacheAvailable, cachedModels, clearCachedModels, loadWeights } from "./weights_cache.js";
@@ -41,7 +42,7 @@ function finishSteps(summary) {
 function showAdapter(device, probe) {
   definitionList($("adapter"), [
     ["name", device.adapter], ["backend", device.backend],
-    ["shader-f16", device.shader_f16 ? "yes (f16 kernels)" : "no (f32 kernels)"],
+    ["shader-f16", device.shader_f16_note],
     ["timestamp-query", device.timestamp_query ? "yes" : "no (no attention timings)"],
     ["subgroups", device.subgroup_min_size
       ? `${device.subgroup_min_size}-${device.subgroup_max_size} invocations (subgroup attention kernels)`
@@ -162,6 +163,7 @@ async function boot() {
   window.demo = { pyodide, page, session };
   Object.assign(state, { ready: true, device, probe });
   if (params.get("model") === "off") {
+    setUpLab({ page, session, chat: null });
     step("Ready (model not loaded: ?model=off).");
     finishSteps("ready (kernels only)");
     return;
@@ -173,6 +175,7 @@ async function boot() {
   const app = { page, session, chat };
   window.demo.chat = chat;
   watchDevice(app);
+  setUpLab(app);
   const ready = `${MODEL_LABEL}, ${state.info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ` +
     `${state.info.options.max_context} tokens`;
   step(`Ready: ${ready}.`);

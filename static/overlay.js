@@ -8,14 +8,32 @@ export function speedText(speed) {
     `${fmt(speed.prefill_tok_s)} tok/s · decode ${fmt(speed.decode_tok_s)} tok/s`;
 }
 
+// What the chart shows: what ran last, the chat's own steps or the last comparison's two runs.
+let comparison = null;
+
 export function drawOverlayChart() {
   const points = state.steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
     .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
-  state.overlayChart = drawSteps($("overlay-chart"), [{ label: "this chat", color: "#777", points }],
+  state.overlayChart = drawSteps($("overlay-chart"), comparison || [{ label: "this chat", color: "#777", points }],
     { switchAt: state.info.switch_at });
 }
 
+// A comparison ran: the chart shows its runs ([{label, color, points}], as the comparison's own chart).
+export function showComparison(series) {
+  comparison = series;
+  drawOverlayChart();
+  $("overlay").hidden = false;
+}
+
+// New chat: nothing has run in it yet.
+export function clearOverlay() {
+  comparison = null;
+  showSpeed(null);
+  drawOverlayChart();
+}
+
 export function updateOverlay(stats) {
+  comparison = null;
   state.steps.push(stats);
   const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;

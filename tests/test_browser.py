@@ -171,3 +171,18 @@ def test_attention_in_chromium_matches_reference(page, shape, variant):
         inputs["length_info"], inputs["sm_scale"])
     assert relative_l2(out, ref_out) <= 1e-5
     assert float(np.max(np.abs(lse - ref_lse))) <= 1e-3
+
+
+def test_the_kernel_lab_runs_without_a_model(page):
+    """?model=off (kernels only): the lab runs the benchmark shapes, each row f64-checked and timed."""
+    page.click("#lab-details summary")
+    page.fill("#lab-contexts", "64")
+    page.fill("#lab-iters", "1")
+    page.click("#lab-run")
+    page.wait_for_function("() => window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
+                           timeout=300_000)
+    lab = page.evaluate("window.demoState.lab")
+    assert lab, page.inner_text("#lab-status")
+    assert [(r["shape"], r["nest"]) for r in lab["rows"]] == [
+        (shape, nest) for shape in ("D=64 8/32", "D=128 8/32", "D=256 4/8") for nest in ("tiled", "sharded", "auto")]
+    assert all(r["ok"] and r["us"] > 0 for r in lab["rows"]), lab["rows"]

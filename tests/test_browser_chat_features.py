@@ -59,29 +59,26 @@ def test_a_second_load_takes_the_weights_from_the_browser_cache(tab, browser, se
         again.close()
 
 
-def test_a_corrupted_cache_entry_is_dropped_and_fetched_again_and_the_cache_can_be_cleared(browser, server):
-    tab = open_chat(browser, server)
+def test_a_corrupted_cache_entry_is_dropped_and_fetched_again_and_the_cache_can_be_cleared(tab, browser, server):
+    # overwrite the cached weights (same key) with bytes of the right length, one flipped (from the
+    # module's page: the same profile, so the same cache)
+    tab.evaluate("""async () => {
+        const cache = await caches.open("sharded-decode-demo-weights");
+        const [key] = await cache.keys();
+        const bytes = new Uint8Array(await (await cache.match(key)).arrayBuffer());
+        bytes[12345] ^= 0xff;
+        await cache.put(key, new Response(bytes, {headers: {"X-Weights-Bytes": String(bytes.length)}}));
+    }""")
+    fresh = open_chat(browser, server)
     try:
-        # overwrite the cached weights (same key) with bytes of the right length, one flipped
-        tab.evaluate("""async () => {
-            const cache = await caches.open("sharded-decode-demo-weights");
-            const [key] = await cache.keys();
-            const bytes = new Uint8Array(await (await cache.match(key)).arrayBuffer());
-            bytes[12345] ^= 0xff;
-            await cache.put(key, new Response(bytes, {headers: {"X-Weights-Bytes": String(bytes.length)}}));
-        }""")
+        assert fresh.evaluate("window.demoState.weights") == {"source": "network", "dropped": True}
+        assert len(weights_requests(fresh)) == 1
+        assert "did not match its sha256" in fresh.text_content("#progress")  # folded: not rendered
+        fresh.click("#clear-cache")
+        fresh.wait_for_function("() => document.getElementById('cache-info').textContent.includes('empty')")
+        assert fresh.evaluate("caches.has('sharded-decode-demo-weights')") is False
     finally:
-        tab.close()
-    tab = open_chat(browser, server)
-    try:
-        assert tab.evaluate("window.demoState.weights") == {"source": "network", "dropped": True}
-        assert len(weights_requests(tab)) == 1
-        assert "did not match its sha256" in tab.text_content("#progress")  # folded: not rendered
-        tab.click("#clear-cache")
-        tab.wait_for_function("() => document.getElementById('cache-info').textContent.includes('empty')")
-        assert tab.evaluate("caches.has('sharded-decode-demo-weights')") is False
-    finally:
-        tab.close()
+        fresh.close()
 
 
 def test_turns_reuse_the_cache_and_show_their_speed(tab):
@@ -233,3 +230,71 @@ def test_long_document_comparison_shows_the_switch_and_the_speedup(tab):
     assert overlay["points"] == 7 and overlay["xTitle"] == "context (tokens)"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     tab.screenshot(path=str(SCREENSHOTS / "long-document-compare.png"), full_page=True)
+
+
+def test_the_kernel_lab_checks_and_times_every_shape(tab):
+    """The lab on SwiftShader with small contexts: every benchmark shape and the model's own, each
+    nest checked against the page's float64 reference and then timed; its JSON names the adapter,
+    dtype and browser."""
+    tab.click("#lab-details summary")
+    assert tab.input_value("#lab-contexts") == "64,300" and "CPU rasterizer" in tab.inner_text("#lab-note")
+    tab.fill("#lab-iters", "2")
+    tab.evaluate("window.demoState.lab = null")
+    tab.click("#lab-run")
+    tab.wait_for_function("() => window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
+                          timeout=REPLY_TIMEOUT_MS)
+    lab = tab.evaluate("window.demoState.lab")
+    assert lab, tab.inner_text("#lab-status")
+    assert len(lab["rows"]) == 4 * 2 * 3  # 3 benchmark shapes + tiny_chat's, 2 contexts, 3 nests
+    assert all(r["ok"] and r["us"] > 0 and r["rel_l2"] < 1e-4 for r in lab["rows"]), lab["rows"]
+    assert {r["ran"] for r in lab["rows"] if r["nest"] == "auto" and r["context"] == 64} == {"tiled"}
+    assert all(r["tiled_over_sharded"] > 0 for r in lab["rows"])
+    assert lab["dtype"] == "float32" and lab["adapter"] and "Chrome" in lab["browser"]
+    assert tab.locator("#lab-rows tr").count() == 24 and tab.locator("#lab-rows tr.wrong").count() == 0
+    chart = tab.evaluate("window.demoState.labChart")
+    assert chart["points"] == 4 * 2 * 2 and chart["yTitle"].startswith("attention per layer")
+    with tab.expect_download() as download:
+        tab.click("#lab-json")
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported["rows"] == lab["rows"] and exported["browser"] and exported["adapter"] == lab["adapter"]
+
+
+# The page's sections at each width the issue names (1920x1080, 1280x800, 800 px wide): the timing
+# overlay is a side column, or below the page on narrow screens, and never covers them.
+LAYOUT_SIZES = [(1920, 1080), (1280, 800), (800, 900)]
+PAGE_SECTIONS = ["#status-panel", "#chat-panel", "#compare-panel", "#lab-panel", "#adapter-panel"]
+
+
+def overlaps(a, b) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def test_the_overlay_shows_what_ran_last_and_covers_nothing(tab):
+    """After New chat + Compare the overlay's chart shows the comparison's two runs (not "no timed
+    decode steps yet"), after a reply the chat's own steps; at every width no section lies under it."""
+    tab.click("#new-chat")
+    tab.fill("#prompt", "Compare me.")
+    tab.fill("#max-tokens", "4")
+    tab.evaluate("window.demoState.lastCompare = null")
+    tab.click("#compare")
+    tab.wait_for_function("() => window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
+    chart = tab.evaluate("window.demoState.overlayChart")
+    assert chart["legend"] == ["tiled nest", "sharded family"] and chart["points"] == 2 * 3, chart
+    send(tab, "And now a reply.", 4)
+    chart = tab.evaluate("window.demoState.overlayChart")
+    assert chart["legend"] == [] and chart["points"] == 3, chart  # this chat's 3 decode steps
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        for width, height in LAYOUT_SIZES:
+            tab.set_viewport_size({"width": width, "height": height})
+            for scrolled in (0, 10_000):  # the overlay stays in view as the page scrolls: check both ends
+                tab.evaluate(f"window.scrollTo(0, {scrolled})")
+                overlay = tab.locator("#overlay").bounding_box()
+                assert overlay and overlay["width"] > 200
+                for section in PAGE_SECTIONS:
+                    box = tab.locator(section).bounding_box()
+                    assert box is None or not overlaps(overlay, box), f"{width}x{height}: the overlay covers {section}"
+            tab.screenshot(path=str(SCREENSHOTS / f"layout-{width}.png"), full_page=True)
+    finally:
+        tab.set_viewport_size({"width": 1280, "height": 900})

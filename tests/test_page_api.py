@@ -1,0 +1,42 @@
+"""chat.page's plain functions, natively: what the page is told (no browser needed)."""
+
+import json
+
+import pytest
+
+from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
+from model_glue.errors import ModelError
+from model_glue.options import RunOptions
+
+
+def test_an_nvidia_adapter_without_shader_f16_is_told_why_and_the_flag():
+    note = shader_f16_note("nvidia", False)
+    assert "f32 kernels" in note and "crbug.com/42251215" in note and NVIDIA_F16_FLAG in note
+    assert shader_f16_note("nvidia", True) == "yes (f16 kernels)"
+    assert shader_f16_note("Google / swiftshader", False) == "no (f32 kernels)"  # no NVIDIA advice elsewhere
+
+
+def test_a_request_becomes_checked_options_and_sampling():
+    settings = parse_request(json.dumps({"max_new_tokens": 12, "options": {"attention": "tiled"},
+                                         "sampling": {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3}}))
+    assert settings["options"] == RunOptions(attention="tiled") and settings["max_new_tokens"] == 12
+    assert settings["sampling"].seed == 3 and settings["sampling"].top_k == 5
+    with pytest.raises(ModelError, match="attention must be one of"):
+        parse_request(json.dumps({"max_new_tokens": 4, "options": {"attention": "fastest"}}))
+    with pytest.raises(ModelError, match="unknown run options"):
+        parse_request(json.dumps({"max_new_tokens": 4, "options": {"atention": "tiled"}}))
+    with pytest.raises(ModelError, match="bad request setting"):
+        parse_request(json.dumps({"options": {}}))
+
+
+def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
+    loaded = RunOptions(max_context=100_000).resolved(is_cpu=True, context_length=8192)
+    assert loaded.max_context == 8192 and loaded.fold_norms is False and loaded.prefill_chunk == 256
+    gpu = RunOptions().resolved(is_cpu=False, context_length=8192)
+    assert gpu.fold_norms is True and gpu.prefill_chunk == 4096
+    assert loaded.merged(RunOptions(variant="shards:8")).variant == "shards:8"
+    assert loaded.merged(RunOptions(prefill_chunk=37)).prefill_chunk == 37
+    with pytest.raises(ModelError, match="chosen when the model loads"):
+        loaded.merged(RunOptions(max_context=64))
+    with pytest.raises(ModelError, match="number of splits"):
+        RunOptions(variant="shards:999").check()
