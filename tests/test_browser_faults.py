@@ -104,13 +104,13 @@ def test_send_during_a_reply_is_ignored_and_new_chat_stops_it(tab):
 
 
 def test_many_turns_keep_gpu_buffers_and_step_time_flat(tab):
-    """12 turns as 3 conversations of 4 (New chat between them): SwiftShader re-prefills the whole
+    """8 turns as 2 conversations of 4 (New chat between them): SwiftShader re-prefills the whole
     conversation every turn, so one long conversation takes minutes here. test_faults.py runs
     20 turns of one conversation natively."""
     # One nest throughout: past 256 tokens `auto` would add the sharded nest's decode plan (once).
     tab.select_option("#attention", "tiled")
     live, step_ms = [], []
-    for turn in range(12):
+    for turn in range(8):
         if turn % 4 == 0:
             tab.click("#new-chat")
         send(tab, f"Turn {turn}: say something.", 4)
@@ -119,9 +119,9 @@ def test_many_turns_keep_gpu_buffers_and_step_time_flat(tab):
         steps = tab.evaluate("window.demoState.steps.filter(s => s.kind === 'decode').slice(-3).map(s => s.step_ms)")
         step_ms.append(sorted(steps)[len(steps) // 2])
     tab.select_option("#attention", "auto")
-    assert len(history(tab)) == 8
+    assert len(history(tab)) == 8  # the last conversation's 4 turns, user and assistant
     assert len(set(live[1:])) == 1, f"live GPU buffers after each turn: {live}"
-    early, late = sorted(step_ms[1:6])[2], sorted(step_ms[-5:])[2]
+    early, late = sorted(step_ms[1:4])[1], sorted(step_ms[-3:])[1]
     assert late < 2 * early + 20, f"decode step ms grew from {early:.1f} to {late:.1f}: {step_ms}"
 
 
