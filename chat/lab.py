@@ -23,8 +23,9 @@ from array import array
 
 from contract.kernels import MAX_SPLITS, PAGE_SIZE, SPLIT_WORKSPACE, AttentionSpec, subgroup_tag
 from contract.model import BENCH_SHAPES, DTYPE_BYTES, AttentionShape
-from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest, pick_sharded_variant,
-                                  pick_subgroup_build, split_workspace_bytes, tiled_defect)
+from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
+                                  pick_sharded_variant, split_workspace_bytes, tiled_defect)
+from model_glue.loading import subgroup_build
 
 LAB_CONTEXTS = (256, 1024, 3060, 8192)
 CPU_LAB_CONTEXTS = (64, 300)  # a CPU rasterizer takes seconds per call beyond these
@@ -121,10 +122,7 @@ async def _kernels_of(session, shape: AttentionShape, dtype: str, context: int, 
         if defect:
             raise LookupError(defect)
         return [await library.kernel(name)], AttentionChoice("tiled")
-    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
-        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
-        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
-    build = pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
+    build = subgroup_build(library, shape, dtype, device)
     available = {v for v in ("shards", "shards_group") if AttentionSpec(v, shape, dtype).name in library.specs}
     if build is not None:
         available.add("subgroup")

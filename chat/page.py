@@ -160,30 +160,31 @@ def parse_request(request: str) -> dict:
         raise ModelError(f"bad request setting: {err}") from err
 
 
-async def chat_reply(chat, text: str, request: str, on_text, on_step, on_prefill) -> str:
-    """One chat turn; streams text pieces, per-step stats (JSON) and prefill progress to JS callbacks."""
+async def _as_json(work) -> str:
+    """`await work()` as JSON, or the JSON error of a failure a user can act on (a bug is re-raised)."""
     try:
-        result = await chat.reply(text, **parse_request(request), on_text=on_text,
-                                  on_step=lambda stats: on_step(json.dumps(stats)), on_prefill=on_prefill)
+        return json.dumps(await work())
     except Exception as err:
         failure = _failure(err)
         if failure is None:
             raise
         return failure
-    return json.dumps(result)
+
+
+async def chat_reply(chat, text: str, request: str, on_text, on_step, on_prefill) -> str:
+    """One chat turn; streams text pieces, per-step stats (JSON) and prefill progress to JS callbacks."""
+    return await _as_json(lambda: chat.reply(text, **parse_request(request), on_text=on_text,
+                                             on_step=lambda stats: on_step(json.dumps(stats)), on_prefill=on_prefill))
 
 
 async def chat_compare(chat, text: str, request: str, on_progress) -> str:
     """The comparison mode: the same prompt, greedy, through each nest (JSON)."""
-    try:
+    async def compare():
         settings = parse_request(request)
-        return json.dumps(await chat.compare(text, max_new_tokens=settings["max_new_tokens"],
-                                             options=settings["options"], on_progress=on_progress))
-    except Exception as err:
-        failure = _failure(err)
-        if failure is None:
-            raise
-        return failure
+        return await chat.compare(text, max_new_tokens=settings["max_new_tokens"], options=settings["options"],
+                                  on_progress=on_progress)
+
+    return await _as_json(compare)
 
 
 def stop_reply(chat) -> None:
@@ -225,16 +226,9 @@ async def kernel_lab(session, chat, request: str, on_row) -> str:
         return json.dumps({"error": f"bad lab setting: {err}"})
     if any(not 1 <= c <= max(lab.LAB_CONTEXTS) for c in contexts) or (iters is not None and not 1 <= iters <= 200):
         return json.dumps({"error": f"contexts must be 1..{max(lab.LAB_CONTEXTS)} tokens and iterations 1..200"})
-    try:
-        # `chat` is the page's ChatSession, or JS null (Pyodide's JsNull) with ?model=off
-        result = await lab.run_lab(session, model=getattr(chat, "model", None), contexts=contexts,
-                                   iters=iters, on_row=lambda row: on_row(json.dumps(row)))
-    except Exception as err:
-        failure = _failure(err)
-        if failure is None:
-            raise
-        return failure
-    return json.dumps(result)
+    # `chat` is the page's ChatSession, or JS null (Pyodide's JsNull) with ?model=off
+    return await _as_json(lambda: lab.run_lab(session, model=getattr(chat, "model", None), contexts=contexts,
+                                              iters=iters, on_row=lambda row: on_row(json.dumps(row))))
 
 
 # -- the page's benchmark (`python -m app bench page`, ../shared/tools/gpu-page) ----------------------

@@ -12,7 +12,7 @@ import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
 from contract.kernels import SHARDED_VARIANTS, AttentionSpec, llama_kernels, model_kernel_name, subgroup_tag
-from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, LlamaConfig
+from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, AttentionShape, LlamaConfig
 from model_glue.attention import pick_subgroup_build
 from model_glue.errors import ModelError
 from model_glue.kernel import unmet_limits
@@ -105,10 +105,7 @@ def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) ->
     must be there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
     shape = config.attention_shape
     names = {key: AttentionSpec(key, shape, dtype).name for key in ("prefill", "tiled", "merge")}
-    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
-        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
-        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
-    build = pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
+    build = subgroup_build(library, shape, dtype, device)
     tags = {"subgroup": subgroup_tag(*build) if build else None}
     for variant in SHARDED_VARIANTS:
         if variant == "subgroup" and build is None:
@@ -123,6 +120,15 @@ def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) ->
         raise ModelError(f"the kernel artifact lacks the attention kernels of this model ({missing}); "
                          "rebuild it with `python -m app build`")
     return names
+
+
+def subgroup_build(library, shape: AttentionShape, dtype: str, device):
+    """Of the artifact's subgroup-layout builds for the shape, (row lanes, exact size or None) of the one
+    this device runs (model_glue.attention.pick_subgroup_build), or None."""
+    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
+        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
+        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
+    return pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
 
 
 def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -> None:

@@ -59,11 +59,18 @@ export function send(app) {
   running = reply(app).finally(() => { running = null; });
 }
 
-async function reply(app) {
+// The box's text for a new turn (the page busy from here), or null when it is empty.
+function beginTurn() {
   const text = $("prompt").value;
-  if (!text.trim()) { chatError("The message is empty."); return; }
+  if (!text.trim()) { chatError("The message is empty."); return null; }
   chatError("");
   setBusy(true);
+  return text;
+}
+
+async function reply(app) {
+  const text = beginTurn();
+  if (text === null) return;
   state.prefill = null;
   const userDiv = addMessage("user", text);
   const bubble = addMessage("assistant", "");
@@ -119,10 +126,8 @@ export function compare(app) {
 }
 
 async function compareNests(app) {
-  const text = $("prompt").value;
-  if (!text.trim()) { chatError("The message is empty."); return; }
-  chatError("");
-  setBusy(true);
+  const text = beginTurn();
+  if (text === null) return;
   $("compare-panel").hidden = false;
   $("compare-verdict").textContent = "running…";
   $("compare-tiled").textContent = ""; $("compare-sharded").textContent = "";
