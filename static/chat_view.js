@@ -1,9 +1,10 @@
 // The chat: messages, a reply streamed in, the comparison of the two nests, New chat. Python does
-// the work (chat/page.py); every call passes the chat handle back and gets JSON.
+// the work in the worker (app.python, static/python.js; chat/page.py returns JSON); what streams
+// in is drawn once per animation frame.
 import { COLORS, drawSteps } from "./charts.js";
 import { clearRuns, recordRun } from "./export.js";
 import { chatError, deviceLost, errorText } from "./faults.js";
-import { clearOverlay, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
+import { clearOverlay, drawOverlayNow, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
 import { $, definitionList, fmt, state } from "./ui.js";
 
 const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
@@ -54,6 +55,21 @@ function request() {
   });
 }
 
+// Text pieces as they stream in, appended to `body` once per animation frame.
+export class TextStream {
+  constructor(body) { this.body = body; this.waiting = ""; this.frame = null; }
+  push(piece) {
+    this.waiting += piece;
+    if (this.frame === null) this.frame = requestAnimationFrame(() => this.flush());
+  }
+  flush() {
+    if (this.frame !== null) cancelAnimationFrame(this.frame);
+    this.frame = null;
+    if (this.waiting) this.body.textContent += this.waiting;
+    this.waiting = "";
+  }
+}
+
 export function send(app) {
   if (state.busy || state.deviceLost) return;
   running = reply(app).finally(() => { running = null; });
@@ -79,9 +95,11 @@ async function reply(app) {
   // back (unless something new was typed meanwhile): nothing typed is lost.
   $("prompt").value = "";
   const giveBack = () => { if (!$("prompt").value) $("prompt").value = text; };
+  const streamed = new TextStream(body);
   try {
-    const result = JSON.parse(await app.page.chat_reply(app.chat, text, request(),
-      (piece) => { body.textContent += piece; }, (s) => updateOverlay(JSON.parse(s)), showPrefill));
+    const result = JSON.parse(await app.python.call("reply", { text, request: request() }, {
+      text: (piece) => streamed.push(piece), step: (s) => updateOverlay(JSON.parse(s)),
+      prefill: ([done, total]) => showPrefill(done, total) }).finally(() => { streamed.flush(); drawOverlayNow(); }));
     if (result.device_lost) {
       // Keep what was shown (the partial reply too) and the typed text; offer a reload.
       bubble.classList.add("interrupted");
@@ -132,8 +150,8 @@ async function compareNests(app) {
   $("compare-verdict").textContent = "running…";
   $("compare-tiled").textContent = ""; $("compare-sharded").textContent = "";
   try {
-    const result = JSON.parse(await app.page.chat_compare(app.chat, text, request(),
-      (nest) => { $("compare-verdict").textContent = `running the ${nest} nest…`; }));
+    const result = JSON.parse(await app.python.call("compare", { text, request: request() },
+      { progress: (nest) => { $("compare-verdict").textContent = `running the ${nest} nest…`; } }));
     if (result.error) {
       $("compare-verdict").textContent = "";
       if (result.device_lost) deviceLost(result.error, setBusy); else chatError(result.error);
@@ -194,12 +212,12 @@ export async function fillLongDocument() {
 
 // Stops the reply in flight, if any, and waits for it to end.
 export async function stopRunning(app) {
-  if (running) { app.page.stop_reply(app.chat); await running; }
+  if (running) { app.python.call("stop"); await running; }
 }
 
 export async function newChat(app) {
   await stopRunning(app);  // a reply in flight ends first
-  app.page.new_chat(app.chat);
+  await app.python.call("newChat");
   $("messages").replaceChildren();
   state.steps = [];
   clearRuns();

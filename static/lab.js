@@ -67,12 +67,12 @@ async function runLab(app) {
   try {
     const contexts = $("lab-contexts").value.split(",").map((c) => c.trim()).filter(Boolean).map(Number);
     const request = JSON.stringify({ contexts, iters: Number($("lab-iters").value) || null });
-    const result = JSON.parse(await app.page.kernel_lab(app.session, app.chat || undefined, request, (json) => {
+    const result = JSON.parse(await app.python.call("lab", { request }, { row: (json) => {
       const row = JSON.parse(json);
       rows.push(row);
       addRow(row);
       $("lab-status").textContent = `running… ${rows.length} rows`;
-    }));
+    } }));
     if (result.error) { $("lab-status").textContent = result.error; return; }
     state.lab = { ...result, browser: navigator.userAgent };
     drawLab(result.rows);
@@ -87,8 +87,8 @@ async function runLab(app) {
   }
 }
 
-export function setUpLab(app) {
-  const defaults = JSON.parse(app.page.lab_defaults(app.session));
+export async function setUpLab(app) {
+  const defaults = JSON.parse(await app.python.call("labDefaults"));
   $("lab-contexts").value = defaults.contexts.join(",");
   $("lab-iters").value = defaults.iters;
   $("lab-note").textContent = defaults.note;

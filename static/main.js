@@ -1,19 +1,18 @@
-// Boot: load the self-hosted Pyodide and the project's wheel, open WebGPU, load the model, wire
-// the controls. Everything comes from this origin: the page works offline. Python does the work
-// (chat/page.py: every call takes handles and plain values and returns JSON); the modules here
-// keep the DOM: chat_view.js (the chat and the comparison), overlay.js (timings), export.js,
-// faults.js (errors, a lost device, long tasks), weights_cache.js, replay.js (decode steps replayed).
-import { loadPyodide } from "./pyodide/pyodide.mjs";
-import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setBusy, stopRunning } from "./chat_view.js";
+// Boot: start the Python worker (static/python_worker.js: the self-hosted Pyodide and the
+// project's wheel), open WebGPU there, load the model, wire the controls. Everything comes from
+// this origin: the page works offline. Python does the work in the worker (chat/page.py, every
+// call returns JSON); this thread only keeps the DOM, so it never waits on Python: chat_view.js
+// (the chat and the comparison), overlay.js (timings), export.js, faults.js (errors, a lost
+// device, long tasks), weights_cache.js, lab.js.
+import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setBusy, stopRunning, TextStream } from "./chat_view.js";
 import { exportSteps } from "./export.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
-import { replayComputePasses } from "./replay.js";
+import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
-import { cacheAvailable, cachedModels, clearCachedModels, loadWeights } from "./weights_cache.js";
+import { cacheAvailable, cachedModels, clearCachedModels } from "./weights_cache.js";
 
-globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserDevice replays decode steps with
-window.demoUI = { finishReply, addMessage };  // for the page tests
+window.demoUI = { finishReply, addMessage, TextStream };  // for the page tests
 const params = new URLSearchParams(location.search);
 // ?context=N asks for a KV cache of N tokens (the page shows what the model applied).
 const REQUESTED_CONTEXT = Number(params.get("context") || 4096);
@@ -58,19 +57,15 @@ function showAdapter(device, probe) {
 }
 
 // -- opening the device and the model ---------------------------------------------------------------
-async function openSession(page) {
-  const session = await page.open_session(new URL("./artifacts/kernels", location.href).href);
-  return { session, device: JSON.parse(page.describe_device(session)) };
+async function openSession(python) {
+  const kernelsUrl = new URL("./artifacts/kernels", location.href).href;
+  return JSON.parse(await python.call("openSession", { kernelsUrl }));
 }
 
-// Reports a lost device once (chat.page.watch_device runs until then).
-function watchDevice(app) {
-  app.page.watch_device(app.session, (message) => deviceLost(message, setBusy));
-}
-
-// Fetches the weights (from the browser's cache when it holds this exact file) with a progress
-// bar, then hands them to Python, which checks every tensor and uploads it.
-async function loadChat(page, session) {
+// The worker fetches the weights (from the browser's cache when it holds this exact file) and
+// checks their sha256, while this thread shows a progress bar; then Python checks every tensor and
+// uploads it.
+async function loadChat(python) {
   const base = new URL(`./artifacts/${MODEL}`, location.href).href;
   const response = await fetch(`${base}/manifest.json`);
   if (!response.ok) {
@@ -84,20 +79,21 @@ async function loadChat(page, session) {
   const bar = $("load-bar"), label = $("load-text");
   $("load-progress").hidden = false;
   const stages = { cache: "reading from the browser cache", download: "downloading", verify: "checking sha256" };
-  const weights = await loadWeights(`${base}/${manifest.weights_file}`, manifest.weights_sha256, manifest.total_bytes,
-    ({ stage, received, total }) => {
-      bar.max = total; bar.value = received;
-      label.textContent = `${stages[stage]}: ${MiB(received)} / ${MiB(total)} MiB`;
-    });
-  $("load-progress").hidden = true;
-  state.weights = { source: weights.source, dropped: weights.dropped };
-  step(`${MODEL_LABEL}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
-       `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
-  await showCache();
-  const chat = await page.open_chat(session, base, (message) => step(`${MODEL_LABEL}: ${message}…`),
-    JSON.stringify({ max_context: REQUESTED_CONTEXT }), weights.bytes, weights.verified);
-  state.info = JSON.parse(page.chat_info(chat));
-  return chat;
+  const showWeights = ({ stage, received, total }) => {
+    bar.max = total; bar.value = received;
+    label.textContent = `${stages[stage]}: ${MiB(received)} / ${MiB(total)} MiB`;
+  };
+  const fetched = async (weights) => {  // before Python reads them
+    $("load-progress").hidden = true;
+    state.weights = weights;
+    step(`${MODEL_LABEL}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
+         `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
+    await showCache();
+  };
+  state.info = JSON.parse(await python.call("openChat", {
+    base, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
+    weights: { url: `${base}/${manifest.weights_file}`, sha256: manifest.weights_sha256, bytes: manifest.total_bytes },
+  }, { weights: showWeights, fetched, progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
 }
 
 async function showCache() {
@@ -118,12 +114,8 @@ async function reloadModel(app) {
   try {
     await stopRunning(app);
     step("Reloading: opening WebGPU again…");
-    const { session } = await openSession(app.page);
-    const chat = await loadChat(app.page, session);
-    app.page.carry_over(app.chat, chat);
-    Object.assign(app, { session, chat });
-    Object.assign(window.demo, { session, chat });
-    watchDevice(app);
+    await openSession(app.python);
+    await loadChat(app.python);  // the worker carries the conversation over to the new chat
     state.deviceLost = null;
     $("device-lost").hidden = true;
     step("Ready again: the model is reloaded and the conversation kept.");
@@ -149,21 +141,21 @@ async function boot() {
          "with WebGPU enabled (on Linux: --enable-unsafe-webgpu).");
     return;
   }
-  step("Loading Python (Pyodide)…");
-  const pyodide = await loadPyodide({ indexURL: new URL("./pyodide/", location.href).href });
-  step("Loading the project's wheel…");
-  await pyodide.loadPackage("sharded-decode-demo", { messageCallback: () => {} });
+  const python = new PythonWorker();
+  const app = { python };
+  // For the tests and ../shared/tools/gpu-page: Python run in the worker, with `page`, `session`
+  // and `chat` in scope (the page's own code uses only python.call).
+  window.demo = { python: (code, values) => python.call("python", { code, values }) };
+  python.on["device-lost"] = (message) => deviceLost(message, setBusy);
+  await python.call("boot", {}, { progress: step });
   step("Opening WebGPU and reading the kernel manifest…");
-  const page = pyodide.pyimport("chat.page");
-  const { session, device } = await openSession(page);
+  const device = await openSession(python);
   step("Self-test: running a TVM-built kernel…");
-  const probe = JSON.parse(await page.self_test(session));
+  const probe = JSON.parse(await python.call("selfTest"));
   showAdapter(device, probe);
-  // Handles for the tests and ../shared/tools/gpu-page (the page's own code goes through `page`).
-  window.demo = { pyodide, page, session };
   Object.assign(state, { ready: true, device, probe });
   if (params.get("model") === "off") {
-    setUpLab({ page, session, chat: null });
+    await setUpLab(app);
     step("Ready (model not loaded: ?model=off).");
     finishSteps("ready (kernels only)");
     return;
@@ -171,11 +163,8 @@ async function boot() {
 
   if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
   step(`Loading ${MODEL_LABEL}…`);
-  const chat = await loadChat(page, session);
-  const app = { page, session, chat };
-  window.demo.chat = chat;
-  watchDevice(app);
-  setUpLab(app);
+  await loadChat(python);
+  await setUpLab(app);
   const ready = `${MODEL_LABEL}, ${state.info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ` +
     `${state.info.options.max_context} tokens`;
   step(`Ready: ${ready}.`);
@@ -185,7 +174,7 @@ async function boot() {
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(app); }
   });
-  $("stop").addEventListener("click", () => app.page.stop_reply(app.chat));
+  $("stop").addEventListener("click", () => python.call("stop"));
   $("compare").addEventListener("click", () => compare(app));
   $("new-chat").addEventListener("click", () => newChat(app));
   $("reload-model").addEventListener("click", () => reloadModel(app));
@@ -196,6 +185,7 @@ async function boot() {
     await clearCachedModels();
     await showCache();
   });
+  state.readyAt = performance.now();  // the tests check the main thread's long tasks up to here
   state.chatReady = true;
 }
 

@@ -32,9 +32,28 @@ export function clearOverlay() {
   drawOverlayChart();
 }
 
+// A pass finished: its stats count at once (state.steps); the overlay shows them at the next
+// animation frame, once per frame however many passes finished (a decode step can take ~1 ms).
 export function updateOverlay(stats) {
   comparison = null;
   state.steps.push(stats);
+  drawNextFrame();
+}
+
+let frameRequested = false;
+
+function drawNextFrame() {
+  if (frameRequested) return;
+  frameRequested = true;
+  requestAnimationFrame(() => {
+    frameRequested = false;
+    drawLastStep();
+  });
+}
+
+function drawLastStep() {
+  const stats = state.steps[state.steps.length - 1];
+  if (!stats) return;
   const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
   $("overlay-last").textContent =
@@ -43,6 +62,12 @@ export function updateOverlay(stats) {
   $("overlay-note").textContent = stats.timing_note || "";
   drawOverlayChart();
   $("overlay").hidden = false;
+}
+
+// The reply ended: draw its last step now (a frame may still be pending, or never come in a
+// hidden tab).
+export function drawOverlayNow() {
+  drawLastStep();
 }
 
 export function showPrefill(done, total) {

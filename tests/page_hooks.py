@@ -1,7 +1,7 @@
 """Test-only Python for the page: run one kernel of the served artifact inside the browser.
 
-Never shipped in the wheel: a browser test sends this file's source into the page's Pyodide
-(`install_page_hooks`) and calls `run_kernel_b64` there, so kernels compiled by Chromium's WGSL
+Never shipped in the wheel: a browser test sends this file's source into the page's Python worker
+(`install_page_hooks`, through window.demo.python) and calls `run_kernel_b64` there, so kernels compiled by Chromium's WGSL
 compiler are checked against the same f64 references as natively.
 """
 
@@ -30,11 +30,6 @@ async def run_kernel_b64(session, name: str, buffers: dict, values: dict, output
 
 
 def install_page_hooks(tab) -> None:
-    """Define this module's functions in the page's Pyodide (window.demo.pyodide), as `page_hooks`."""
+    """Define this module's functions in the namespace of the page's window.demo.python calls."""
     source = Path(__file__).read_text(encoding="utf-8").split("\n\ndef install_page_hooks")[0]
-    tab.evaluate("""(source) => {
-        const py = window.demo.pyodide;
-        const module = py.runPython("import types; types.ModuleType('page_hooks')");
-        py.runPython(source, { globals: module.__dict__ });
-        window.demo.hooks = module;
-    }""", source)
+    tab.evaluate("(source) => window.demo.python(source)", source)

@@ -158,12 +158,8 @@ def test_attention_in_chromium_matches_reference(page, shape, variant):
     args = {"name": name, "buffers": buffers, "values": values,
             "outputs": outputs}
     result = page.evaluate(
-        """async (a) => {
-             const py = window.demo.pyodide;
-             const r = await window.demo.hooks.run_kernel_b64(window.demo.session, a.name, py.toPy(a.buffers),
-                                                              py.toPy(a.values), py.toPy(a.outputs));
-             return r.toJs({dict_converter: Object.fromEntries});
-           }""", args)
+        """(a) => window.demo.python("a = values['a']\\n"
+             + "await run_kernel_b64(session, a['name'], a['buffers'], a['values'], a['outputs'])", {a})""", args)
     out = np.frombuffer(base64.b64decode(result["output"]), np.float32).reshape(batch, heads, head_dim)
     lse = np.frombuffer(base64.b64decode(result["lse"]), np.float32).reshape(batch, heads)
     ref_out, ref_lse = decode_attention_reference(

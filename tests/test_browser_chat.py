@@ -102,7 +102,7 @@ def test_html_is_shown_as_text_and_stop_keeps_the_partial_reply(chat_page):
     assert user.inner_text().startswith("<b>bold</b><img")
     assert tab.locator(".msg b, .msg img").count() == 0
     # the stopped reply is part of the conversation
-    history = tab.evaluate("window.demo.chat.messages.toJs({dict_converter: Object.fromEntries})")
+    history = json.loads(tab.evaluate("window.demo.python('import json; json.dumps(chat.messages)')"))
     assert history[-1]["role"] == "assistant" and history[-1]["content"] == reply["text"]
 
 

@@ -3,6 +3,8 @@ and loses nothing that was typed or shown."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import open_page
 
@@ -29,7 +31,7 @@ def wait_decode_steps(tab, count):
 
 
 def history(tab):
-    return tab.evaluate("window.demo.chat.messages.toJs({dict_converter: Object.fromEntries})")
+    return json.loads(tab.evaluate("window.demo.python('import json; json.dumps(chat.messages)')"))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def test_many_turns_keep_gpu_buffers_and_step_time_flat(tab):
             tab.click("#new-chat")
         send(tab, f"Turn {turn}: say something.", 4)
         tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
-        live.append(tab.evaluate("window.demo.session.device.live_buffers"))
+        live.append(tab.evaluate("window.demo.python('session.device.live_buffers')"))
         steps = tab.evaluate("window.demoState.steps.filter(s => s.kind === 'decode').slice(-3).map(s => s.step_ms)")
         step_ms.append(sorted(steps)[len(steps) // 2])
     tab.select_option("#attention", "auto")
@@ -133,7 +135,7 @@ def test_device_lost_mid_reply_keeps_the_conversation_and_reloads(tab):
     before = history(tab)
     send(tab, "Second question, interrupted", 300)
     wait_decode_steps(tab, len(tab.evaluate("window.demoState.steps")) // 2 + 3)
-    tab.evaluate("window.demo.session.device.js_device.destroy()")
+    tab.evaluate("window.demo.python('session.device.js_device.destroy()')")
     tab.wait_for_function("() => window.demoState.deviceLost && !window.demoState.busy", timeout=REPLY_TIMEOUT_MS)
     assert tab.is_visible("#device-lost")
     assert "GPU device was lost" in tab.inner_text("#device-lost-text")

@@ -377,7 +377,7 @@ tok = BPETokenizer.from_json(await _text("/artifacts/tiny_chat/tokenizer.json"),
                              json.loads(await _text("/artifacts/tiny_chat/tokenizer_config.json")))
 results = []
 start = time.perf_counter()
-for code_points in json.loads(FUZZ_JSON):
+for code_points in json.loads(values["payload"]):
     text = "".join(map(chr, code_points))
     try:
         results.append(tok.encode(text))
@@ -402,11 +402,7 @@ def test_fuzz_ids_match_hf_in_chromium(browser, server, strings):
         assert tab.evaluate("window.demoState.ready"), f"page failed: {tab.evaluate('window.demoState.error')}"
         payload = json.dumps([[ord(ch) for ch in text] for text in strings])
         start = time.perf_counter()
-        out = json.loads(tab.evaluate("""async ([code, payload]) => {
-            const py = window.demo.pyodide;
-            py.globals.set("FUZZ_JSON", payload);
-            return await py.runPythonAsync(code);
-        }""", [PAGE_CODE, payload]))
+        out = json.loads(tab.evaluate("([code, payload]) => window.demo.python(code, {payload})", [PAGE_CODE, payload]))
         elapsed = time.perf_counter() - start
     finally:
         tab.close()

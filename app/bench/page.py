@@ -53,8 +53,8 @@ def run_page_bench(args) -> dict:
             print(f"page {url}; adapter: {adapter}; {args.steps} decode steps per mode", flush=True)
             print(f"{'encoding':>22} {'median ms':>9} {'worst ms':>8} {'dispatches':>10} {'step ms':>8}")
             for replay in (False, True):
-                raw = tab.evaluate("([steps, replay]) => window.demo.page.decode_encode_benchmark("
-                                   "window.demo.chat, steps, replay)", [args.steps, replay])
+                raw = tab.evaluate("([steps, replay]) => window.demo.python('await page.decode_encode_benchmark("
+                                   "chat, values[\"steps\"], values[\"replay\"])', {steps, replay})", [args.steps, replay])
                 run = json.loads(raw)
                 label = "JS replay (one call)" if replay else "Python, every dispatch"
                 encode = run["encode_ms"][1:]  # the first decode step records the passes
