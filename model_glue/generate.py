@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from contract.kernels import MAX_TOP_K
@@ -160,10 +161,11 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, samp
             fed = [forced_ids[predicted - 1]]
         return model.submit(fed, sampling, draw())
 
-    # Pipelined: step t+1 is submitted before step t's id is read back, so the GPU works while the
-    # host reads an id, reports it and encodes the next step. A stop found in an id read back
-    # discards the one step already submitted after it; nothing of it remains.
-    pending = ahead = None
+    # Pipelined: up to `pipeline_depth` steps are in flight, so the GPU works through the next ones
+    # while the host waits for an id, reports it and encodes another step. A stop found in an id
+    # read back discards the steps already submitted after it; nothing of them remains.
+    depth = model.run.pipeline_depth
+    in_flight: deque = deque()
     while True:
         result.token_ids.append(next_id)
         result.decode_ms = (time.perf_counter() - decode_started) * 1e3
@@ -176,12 +178,11 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, samp
         elif should_stop():
             result.stop_reason = STOPPED_BY_USER
         if result.stop_reason:
-            if pending is not None:
-                await model.discard(pending)
+            await model.discard(list(in_flight))
             return
-        if pending is None:  # the first step after the prefill, whose id the host has
-            pending = submit_step(len(result.token_ids), next_id)
-        if len(result.token_ids) + 1 < limit:  # the step after it may be wanted: submit it now
-            ahead = submit_step(len(result.token_ids) + 1)
-        next_id = await model.finish(pending)
-        pending, ahead = ahead, None
+        known = len(result.token_ids)
+        if not in_flight:  # the first step after the prefill, whose id the host has
+            in_flight.append(submit_step(known, next_id))
+        while len(in_flight) < depth and known + len(in_flight) < limit:  # steps that may be wanted
+            in_flight.append(submit_step(known + len(in_flight)))
+        next_id = await model.finish(in_flight.popleft())

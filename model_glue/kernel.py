@@ -140,14 +140,15 @@ class StaleBindingError(RuntimeError):
 
 
 class _PlanEntry:
-    def __init__(self, bound: BoundKernel, values: dict, per_step: bool):
+    def __init__(self, bound: BoundKernel, values: dict, shared: "_SharedUniform | None"):
         self.bound = bound
         self.values = dict(values)
-        self.per_step = per_step
+        self.shared = shared  # the uniform of a per-step entry
+        self.per_step = shared is not None
 
 
 class _SharedUniform:
-    """The uniform every per-step binding of one kernel in a plan reads (e.g. attention in each
+    """The uniform that per-step bindings of one kernel in a plan read (e.g. attention in each
     layer: the same context, so one write per step serves all of them)."""
 
     def __init__(self, kernel: Kernel, values: dict):
@@ -155,35 +156,39 @@ class _SharedUniform:
         self.values = dict(values)
         self.grid = kernel.grid(values)
         self.buffer = kernel.device.uniform_buffer(kernel.pod_bytes(values, self.grid[0]))
-        self.written_in_pass = -1
+        self.used_in_pass = -1
 
     def set(self, values: dict, pass_number: int) -> None:
-        if values == self.values:
-            return
-        if self.written_in_pass == pass_number:
-            raise StaleBindingError(f"{self.kernel.name}: its per-step dispatches in one pass must share values "
-                                    "(they share one uniform)")
-        self.grid = self.kernel.grid(values)
-        self.kernel.device.write(self.buffer, self.kernel.pod_bytes(values, self.grid[0]))
-        self.values = dict(values)
-        self.written_in_pass = pass_number
+        """The values of a dispatch in pass `pass_number`: written if they changed, which only the
+        pass's first dispatch of this uniform may do (the GPU reads it when the pass runs)."""
+        if values != self.values:
+            if self.used_in_pass == pass_number:
+                raise StaleBindingError(f"{self.kernel.name}: its per-step dispatches in one pass must share values "
+                                        "(they share one uniform)")
+            self.grid = self.kernel.grid(values)
+            self.kernel.device.write(self.buffer, self.kernel.pod_bytes(values, self.grid[0]))
+            self.values = dict(values)
+        self.used_in_pass = pass_number
 
 
 class DispatchPlan:
     """Bound kernels of a pass that repeats (a decode step), replayed in the same order each time.
 
     Each entry is bound once, with the buffers and values of its first use. The entries of a
-    kernel declared `per_step` (decode attention: the context grows every step) share one uniform,
-    rewritten once per pass when the values change; for any other entry a change of values is an
-    error, since replaying its binding would silently run it with the old ones. Buffers are fixed
-    for the plan's life: whoever reallocates a buffer drops the plan (`release`).
+    kernel declared `per_step` (decode attention: the context grows every step) share a uniform,
+    rewritten once per pass when the values change: one per kernel and distinct values of its
+    first pass (a prefill plan, where every entry is per step, has the layers' rms_norm over n
+    tokens and the head's over one). For any other entry a change of values is an error, since
+    replaying its binding would silently run it with the old ones. Buffers are fixed for the
+    plan's life: whoever reallocates a buffer drops the plan (`release`).
     """
 
     def __init__(self):
         self.entries: list[_PlanEntry] = []
         self._cursor = 0
         self._passes = 0
-        self._shared: dict[str, _SharedUniform] = {}  # kernel name -> its per-step entries' uniform
+        # (kernel name, its values in the first pass) -> the uniform those per-step entries share
+        self._shared: dict[tuple, _SharedUniform] = {}
         self._per_step_entries: list[_PlanEntry] = []
 
     def start(self) -> None:
@@ -194,15 +199,15 @@ class DispatchPlan:
     def dispatch(self, batch, kernel: Kernel, buffers: dict, values: dict, *, per_step: bool = False) -> None:
         index = self._cursor
         self._cursor += 1
-        shared = None
-        if per_step:
-            shared = self._shared.get(kernel.name)
-            if shared is None:
-                shared = self._shared[kernel.name] = _SharedUniform(kernel, values)
-            shared.set(values, self._passes)
         if index == len(self.entries):
+            shared = None
+            if per_step:
+                key = (kernel.name, tuple(sorted(values.items())))
+                shared = self._shared.get(key)
+                if shared is None:
+                    shared = self._shared[key] = _SharedUniform(kernel, values)
             bound = kernel.bind(buffers, values, shared.buffer if shared else None)
-            self.entries.append(_PlanEntry(bound, values, per_step))
+            self.entries.append(_PlanEntry(bound, values, shared))
             if per_step:
                 self._per_step_entries.append(self.entries[-1])
         entry = self.entries[index]
@@ -210,6 +215,8 @@ class DispatchPlan:
             raise StaleBindingError(f"dispatch {index} of the plan was {entry.bound.kernel.name}, now {kernel.name}: "
                                     "a repeated pass must dispatch the same kernels in the same order")
         if per_step:
+            shared = entry.shared
+            shared.set(values, self._passes)
             entry.bound.grid = shared.grid
             entry.values = shared.values
         elif values != entry.values:
@@ -223,11 +230,12 @@ class DispatchPlan:
         [(kernel, values)] into their shared uniforms and give their entries the new grids."""
         self.start()
         for kernel, values in per_step:
-            self._shared[kernel.name].set(values, self._passes)
+            for (name, _), shared in self._shared.items():
+                if name == kernel.name:
+                    shared.set(values, self._passes)
         for entry in self._per_step_entries:
-            shared = self._shared[entry.bound.kernel.name]
-            entry.bound.grid = shared.grid
-            entry.values = shared.values
+            entry.bound.grid = entry.shared.grid
+            entry.values = entry.shared.values
 
     @property
     def per_step_kernels(self) -> list[str]:

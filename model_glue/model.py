@@ -2,8 +2,8 @@
 
 `_encode_forward` is the forward pass as a fixed sequence of TVM-built kernels, read top to
 bottom like llama2.c's run.c; `PassEncoder` around it dispatches, binds once and records (decode
-steps), and brackets attention with timestamps. `submit` / `finish` keep up to PIPELINE_DEPTH
-passes in flight. No numpy and no TVM: the same code runs in Pyodide and natively. Loading is
+steps), and brackets attention with timestamps. `submit` / `finish` keep up to `pipeline_depth`
+passes in flight (model_glue.options). No numpy and no TVM: the same code runs in Pyodide and natively. Loading is
 model_glue.loading, the KV cache model_glue.kv_cache, generation model_glue.generate.
 
 Every decode step asks `pick_decode_nest` which attention nest to run (above 256 tokens the
@@ -27,10 +27,8 @@ from model_glue.attention import (AttentionChoice, attention_call, attention_dis
 from model_glue.errors import ModelError
 from model_glue.kernel import DispatchPlan
 from model_glue.kv_cache import PagedKVCache
-from model_glue.options import RunOptions
+from model_glue.options import MAX_PIPELINE_DEPTH, RunOptions
 
-# Passes in flight at once: a decode step is submitted before the previous step's id is read back.
-PIPELINE_DEPTH = 2
 STAMPS_OFFSET = 8  # a pass's readback: the chosen id (4 bytes, padded), then its raw timestamps
 
 
@@ -86,17 +84,20 @@ class PendingPass:
 class PassEncoder:
     """Encodes one pass into a Batch. A decode pass goes through its DispatchPlan (bound once, the
     attention and sampler values refreshed per step) and onto a tape that later steps replay; a
-    prefill pass binds each dispatch for its own shapes. `timed(begin, end)` brackets dispatches
-    with the pass's timestamp queries (none on adapters without timestamp-query)."""
+    prefill pass goes through a plan of its own whose every value is per step (bound once, the
+    uniforms rewritten for each pass's n). Without a plan each dispatch is bound for itself.
+    `timed(begin, end)` brackets dispatches with the pass's timestamp queries (none on adapters
+    without timestamp-query)."""
 
-    def __init__(self, batch, stamps, plan: DispatchPlan | None):
+    def __init__(self, batch, stamps, plan: DispatchPlan | None, every_value_per_step: bool = False):
         self.batch, self.stamps, self.plan = batch, stamps, plan
+        self.every_value_per_step = every_value_per_step  # a prefill pass: n changes every kernel's values
         if plan is not None:
             plan.start()
 
     def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
         if self.plan is not None:
-            self.plan.dispatch(self.batch, kernel, buffers, values, per_step=per_step)
+            self.plan.dispatch(self.batch, kernel, buffers, values, per_step=per_step or self.every_value_per_step)
             return
         bound = kernel.bind(buffers, values)
         bound.dispatch(self.batch)
@@ -146,7 +147,7 @@ class LlamaModel:
         self._plans: dict[PlanKey, DispatchPlan] = {}
         self._recorded: dict[PlanKey, object] = {}
         self._stamps = None
-        # PIPELINE_DEPTH readback buffers, used in turn; `_in_flight` holds the unfinished passes.
+        # MAX_PIPELINE_DEPTH readback buffers, used in turn; `_in_flight` holds the unfinished passes.
         self._staging: list = []
         self._in_flight: list[PendingPass] = []
         self._passes_submitted = 0
@@ -218,7 +219,9 @@ class LlamaModel:
         if tokens <= self._scratch_tokens:
             return
         c, e, dev = self.config, self.esize, self.device
-        n = max(tokens, 1)
+        # A power of two: prompts of other lengths then fit the same buffers, so the plans bound
+        # to them (model_glue.kernel.DispatchPlan) live on.
+        n = 1 << (max(tokens, 1) - 1).bit_length()
         for name, size in self.scratch_sizes(c, e, n, self.kv.capacity).items():
             if name in self.buffers:
                 dev.destroy(self.buffers[name])  # passes already submitted keep it alive until done
@@ -233,7 +236,7 @@ class LlamaModel:
             self._stamps = dev.timestamps(2 * c.n_layers + 2)
         if not self._staging:
             stamp_bytes = 8 * self._stamps.count if self._stamps is not None else 0
-            self._staging = [dev.staging_buffer(STAMPS_OFFSET + stamp_bytes) for _ in range(PIPELINE_DEPTH)]
+            self._staging = [dev.staging_buffer(STAMPS_OFFSET + stamp_bytes) for _ in range(MAX_PIPELINE_DEPTH)]
         self._scratch_tokens = n
 
     def _drop_plans(self) -> None:
@@ -263,8 +266,8 @@ class LlamaModel:
             raise ModelError("nothing to run: the prompt is empty")
         if token_ids is None and not self._in_flight and not self.cached_ids:
             raise ModelError("no token on the GPU to continue from: run the prompt first")
-        if len(self._in_flight) >= PIPELINE_DEPTH:
-            raise ValueError(f"at most {PIPELINE_DEPTH} passes can be in flight: finish one first")
+        if len(self._in_flight) >= self.run.pipeline_depth:
+            raise ValueError(f"at most {self.run.pipeline_depth} passes can be in flight: finish one first")
         greedy = sampling is None or sampling.greedy
         start = self.kv.length
         context = start + n  # the last token sees the prefix and every token of the pass
@@ -280,7 +283,7 @@ class LlamaModel:
         _, page_ids, _ = self._write_inputs(token_ids, start, slots, context)
 
         stamps = self._stamps
-        staging = self._staging[self._passes_submitted % PIPELINE_DEPTH]
+        staging = self._staging[self._passes_submitted % MAX_PIPELINE_DEPTH]
         self._passes_submitted += 1
         batch = self.device.batch()
         key = PlanKey(choice.variant, choice.split, greedy)
@@ -289,10 +292,13 @@ class LlamaModel:
             self._plans[key].refresh(self._per_step_values(choice, len(page_ids), sampling, draw))
             batch.replay(recorded)
         else:
-            plan = self._plans.setdefault(key, DispatchPlan()) if n == 1 else None
-            record = plan is not None and self.run.replay
+            # A prefill pass goes through a plan too, every value per step (n differs): its dispatches
+            # are bound once, and a later prompt only rewrites a few uniforms.
+            plan = self._plans.setdefault(key, DispatchPlan())
+            record = n == 1 and self.run.replay
             batch.tape = [] if record else None
-            self._encode_forward(PassEncoder(batch, stamps, plan), n, choice, len(page_ids), sampling, draw)
+            self._encode_forward(PassEncoder(batch, stamps, plan, every_value_per_step=n > 1), n, choice,
+                                 len(page_ids), sampling, draw)
             if record:
                 self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
         # One readback per pass: the chosen id, then the raw timestamps, copied side by side.
@@ -342,13 +348,18 @@ class LlamaModel:
         self.stats.append(stats)
         return next_id
 
-    async def discard(self, step: PendingPass) -> None:
-        """Undo the last submitted pass (a step run ahead that is not wanted): its K/V slots are
-        forgotten and it leaves no stats. Waits for it, since its readback buffer is reused."""
-        if step.start + step.tokens != self.kv.length:
-            raise ValueError("only the last submitted pass can be discarded")
-        await self._read_back(step)
-        self.rollback(step.start)
+    async def discard(self, steps: list[PendingPass]) -> None:
+        """Undo the last submitted passes (steps run ahead that are not wanted), oldest first: their
+        K/V slots are forgotten and they leave no stats. Waits for them, since their readback
+        buffers are reused."""
+        if not steps:
+            return
+        last = steps[-1]
+        if last.start + last.tokens != self.kv.length:
+            raise ValueError("only the last submitted passes can be discarded")
+        for step in steps:
+            await self._read_back(step)
+        self.rollback(steps[0].start)
 
     async def _read_back(self, step: PendingPass) -> tuple[int, list[int] | None]:
         if not self._in_flight or self._in_flight[0] is not step:

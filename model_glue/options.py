@@ -22,6 +22,12 @@ from model_glue.errors import ModelError
 # and smaller chunks keep the stop button responsive there.
 GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 256
+# Decode steps in flight at once. With 2, the host reads step t's id while step t+1 runs; but the
+# page learns of a finished step a while after it ends (mapAsync goes through Chromium's GPU
+# process), and a step of SmolLM2 on an H200 takes ~1.5 ms, so with 2 the GPU waited for the host
+# every step (docs/benchmarks.md). 3 keeps it busy; a stop discards the steps already in flight.
+DEFAULT_PIPELINE_DEPTH = 3
+MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class RunOptions:
     fold_norms: bool | None = None
     # Prompt tokens per prefill pass. None: GPU_PREFILL_CHUNK on GPUs, CPU_PREFILL_CHUNK on CPU rasterizers.
     prefill_chunk: int | None = None
+    # Decode steps in flight (2..MAX_PIPELINE_DEPTH). None: DEFAULT_PIPELINE_DEPTH.
+    pipeline_depth: int | None = None
 
     def check(self) -> "RunOptions":
         """This object if every field is valid, else a ModelError naming the field."""
@@ -55,6 +63,8 @@ class RunOptions:
             raise ModelError("replay and fold_norms are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
+        if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
+            raise ModelError(f"pipeline_depth must be 2..{MAX_PIPELINE_DEPTH} passes, not {self.pipeline_depth!r}")
         return self
 
     def resolved(self, *, is_cpu: bool, context_length: int) -> "RunOptions":
@@ -62,7 +72,8 @@ class RunOptions:
         self.check()
         return replace(self, max_context=min(self.max_context or context_length, context_length),
                        fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
-                       prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK))
+                       prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK),
+                       pipeline_depth=self.pipeline_depth or DEFAULT_PIPELINE_DEPTH)
 
     def merged(self, request: "RunOptions | None") -> "RunOptions":
         """A request's options over these (resolved) ones: the request's None fields keep ours."""
@@ -73,7 +84,7 @@ class RunOptions:
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
         return replace(self, attention=request.attention, variant=request.variant, replay=request.replay,
-                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk") if getattr(request, f) is not None})
+                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth") if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":

@@ -86,6 +86,7 @@ class Device:
         self.subgroup_min_size: int | None = None
         self.subgroup_max_size: int | None = None
         self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
+        self.bind_groups_made = 0  # a pass bound once and replayed makes none
         # A CPU rasterizer (lavapipe, SwiftShader): no memory-level parallelism to win by splitting work.
         lowered = adapter_name.lower()
         self.is_cpu = any(word in lowered for word in ("llvmpipe", "lavapipe", "swiftshader", "(cpu)"))
@@ -169,6 +170,7 @@ class Device:
         return await self._compute_pipeline(wgsl, entry, label or entry)
 
     def bind_group(self, pipeline, buffers: list):
+        self.bind_groups_made += 1
         return self._bind_group(pipeline, buffers)
 
     def batch(self) -> "Batch":

@@ -237,9 +237,11 @@ def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, libr
     replan = DispatchPlan()
     for scale in (0.5, 0.25):
         replan.start()
-        replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": scale}, per_step=True)
-    assert replan.entries[0].values["scale"] == 0.25
-    replan.start()  # per-step dispatches of one kernel share a uniform, so within a pass they must agree
+        for _ in range(2):  # per-step dispatches of one kernel with the same values in its first pass
+            replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": scale}, per_step=True)
+    assert replan.entries[0].values["scale"] == replan.entries[1].values["scale"] == 0.25
+    assert replan.uniform_writes_per_step == 1
+    replan.start()  # ... share a uniform, so within a pass they must agree
     replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": 0.5}, per_step=True)
     with pytest.raises(StaleBindingError, match="must share values"):
         replan.dispatch(gpu.batch(), kernel, buffers, {"n": 8, "scale": 0.125}, per_step=True)

@@ -6,7 +6,7 @@ import pytest
 
 from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
 from model_glue.errors import ModelError
-from model_glue.options import RunOptions
+from model_glue.options import DEFAULT_PIPELINE_DEPTH, RunOptions
 
 
 def test_an_nvidia_adapter_without_shader_f16_is_told_why_and_the_flag():
@@ -36,6 +36,9 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
     assert gpu.fold_norms is True and gpu.prefill_chunk == 4096
     assert loaded.merged(RunOptions(variant="shards:8")).variant == "shards:8"
     assert loaded.merged(RunOptions(prefill_chunk=37)).prefill_chunk == 37
+    assert loaded.pipeline_depth == DEFAULT_PIPELINE_DEPTH and loaded.merged(RunOptions(pipeline_depth=4)).pipeline_depth == 4
+    with pytest.raises(ModelError, match="pipeline_depth must be 2"):
+        RunOptions(pipeline_depth=1).check()
     with pytest.raises(ModelError, match="chosen when the model loads"):
         loaded.merged(RunOptions(max_context=64))
     with pytest.raises(ModelError, match="number of splits"):

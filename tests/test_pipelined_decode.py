@@ -1,6 +1,6 @@
-"""The pipelined decode loop (natively, wgpu/lavapipe): step t+1 is submitted before step t's id
-is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loop's, and a stop
-(stop token, user stop) must leave no trace of the step that was already submitted."""
+"""The pipelined decode loop (natively, wgpu/lavapipe): steps t+1 .. t+depth-1 are submitted before
+step t's id is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loop's,
+and a stop (stop token, user stop) must leave no trace of the steps that were already submitted."""
 
 import pytest
 
@@ -8,6 +8,7 @@ from convert.weights import write_random_artifact
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
 from model_glue.generate import STOPPED_BY_USER, generate
+from model_glue.options import DEFAULT_PIPELINE_DEPTH, RunOptions
 from test_model import load
 
 TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
@@ -35,9 +36,10 @@ def one_step_at_a_time(loop, model, prompt, steps):
     return ids
 
 
-def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny):
+@pytest.mark.parametrize("depth", [2, DEFAULT_PIPELINE_DEPTH, 4])
+def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
     want = one_step_at_a_time(loop, tiny, PROMPT, 20)
-    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=21))
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=21, options=RunOptions(pipeline_depth=depth)))
     assert got.token_ids == want
     assert tiny.kv.length == len(PROMPT) + 20  # the last id is never fed back
     assert tiny.cached_ids == PROMPT + want[:-1]
@@ -53,13 +55,14 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny):
         assert all(s.gpu_ms is not None and s.gpu_ms >= s.attention_ms for s in decode)
 
 
-@pytest.mark.parametrize("stop_after", [1, 2, 7])
-def test_a_stop_token_leaves_no_trace_of_the_step_run_ahead(loop, tiny, stop_after):
+@pytest.mark.parametrize("stop_after, depth", [(1, 4), (2, 2), (2, 4), (7, DEFAULT_PIPELINE_DEPTH)])
+def test_a_stop_token_leaves_no_trace_of_the_steps_run_ahead(loop, tiny, stop_after, depth):
     want = one_step_at_a_time(loop, tiny, PROMPT, 12)
     stop = want[stop_after - 1]
     first = want.index(stop) + 1  # the stop token may also occur earlier
     tiny.reset()
-    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12, stop_ids={stop}))
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12, stop_ids={stop},
+                                           options=RunOptions(pipeline_depth=depth)))
     assert got.stop_reason == "stop token"
     assert got.token_ids == want[:first]
     assert tiny.kv.length == len(PROMPT) + first - 1
@@ -70,7 +73,7 @@ def test_a_stop_token_leaves_no_trace_of_the_step_run_ahead(loop, tiny, stop_aft
     assert again.reused_tokens == len(PROMPT) + first - 1
 
 
-def test_a_user_stop_leaves_no_trace_of_the_step_run_ahead(loop, tiny):
+def test_a_user_stop_leaves_no_trace_of_the_steps_run_ahead(loop, tiny):
     want = one_step_at_a_time(loop, tiny, PROMPT, 12)
     tiny.reset()
     seen = []
@@ -90,6 +93,23 @@ def test_folded_norms_make_six_dispatches_per_layer(loop, gpu, test_library, tin
     model = load(loop, gpu, test_library, tiny_folder, "float32", fold_norms=True)  # what a GPU runs
     run = loop.run_until_complete(generate(model, PROMPT, max_new_tokens=4))
     assert {s.dispatches for s in run.stats if s.kind == "decode"} == {1 + 6 * model.config.n_layers + 2}
+
+
+def test_a_prefill_pass_is_bound_once_and_rewritten_for_the_next_prompt(loop, gpu, test_library, tiny_folder, tiny):
+    """The prefill plan: a second prompt of another length makes no bind group (only its uniforms
+    change), and its ids and logits equal those of a model whose first prompt it is."""
+    tiny.reset()
+    loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=3))  # binds the prefill and decode plans
+    made = tiny.device.bind_groups_made
+    shorter = PROMPT[:17]
+    tiny.reset()
+    again = loop.run_until_complete(generate(tiny, shorter, max_new_tokens=3))
+    assert tiny.device.bind_groups_made == made, "the second prompt's passes were bound again"
+    logits = loop.run_until_complete(tiny.read_logits())
+    fresh = load(loop, gpu, test_library, tiny_folder, "float32")
+    first = loop.run_until_complete(generate(fresh, shorter, max_new_tokens=3))
+    assert again.token_ids == first.token_ids
+    assert logits == loop.run_until_complete(fresh.read_logits())
 
 
 def test_continuing_from_the_gpu_needs_a_token_there(loop, tiny):
