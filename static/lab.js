@@ -87,6 +87,7 @@ async function runLab(app) {
   }
 }
 
+// Resolves once the lab's controls are wired and hold this adapter's defaults.
 export async function setUpLab(app) {
   const defaults = JSON.parse(await app.python.call("labDefaults"));
   $("lab-contexts").value = defaults.contexts.join(",");

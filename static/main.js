@@ -153,14 +153,16 @@ async function boot() {
   step("Self-test: running a TVM-built kernel…");
   const probe = JSON.parse(await python.call("selfTest"));
   showAdapter(device, probe);
-  Object.assign(state, { ready: true, device, probe });
+  Object.assign(state, { device, probe });
   if (params.get("model") === "off") {
     await setUpLab(app);
+    state.ready = true;  // with the lab's controls wired (tools click them as soon as this holds)
     step("Ready (model not loaded: ?model=off).");
     finishSteps("ready (kernels only)");
     return;
   }
 
+  state.ready = true;  // the device and kernels: the model follows
   if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
   step(`Loading ${MODEL_LABEL}…`);
   await loadChat(python);

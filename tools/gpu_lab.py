@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / ".cr"))
@@ -32,8 +33,23 @@ def run(flag_set: str, contexts: str, iters: int, timeout: float) -> dict:
         tab.eval(f"document.getElementById('lab-contexts').value = {json.dumps(contexts)}; "
                  f"document.getElementById('lab-iters').value = {iters}; "
                  "document.getElementById('lab-run').click(); true")
-        tab.wait("window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
-                 timeout)
+        seen = []
+
+        def progress():  # the lab's status line, printed when it changes
+            status = tab.eval("document.getElementById('lab-status').textContent", timeout=10)
+            if not seen or status != seen[-1]:
+                seen.append(status)
+                print(f"{time.time() - tab.t0:7.1f} s  {status}", flush=True)
+
+        try:
+            tab.wait("window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
+                     timeout, poll=1, on_poll=progress)
+        except TimeoutError:
+            try:  # is the page's Python worker still answering?
+                print("worker:", tab.eval("window.demo.python('1 + 1')", timeout=10), flush=True)
+            except Exception as err:  # noqa: BLE001
+                print(f"worker does not answer: {err}", flush=True)
+            raise
         lab = tab.eval("window.demoState.lab")
         if not lab:
             raise RuntimeError(tab.eval("document.getElementById('lab-status').textContent"))
