@@ -307,6 +307,7 @@ class LlamaModel:
             batch.resolve(stamps)
             batch.copy(stamps.resolved, 0, staging, STAMPS_OFFSET, 8 * stamps.count)
         batch.submit()
+        self.device.start_read(staging, self._readback_bytes())  # mapped once the pass is done
         stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, nest, str(choice), None, 0.0,
                           encode_ms=round((time.perf_counter() - started) * 1e3, 3), dispatches=batch.dispatches)
         step = PendingPass(staging, n, start, token_ids is None, stats, started)
@@ -366,17 +367,22 @@ class LlamaModel:
             raise ValueError("passes must be finished in the order they were submitted")
         self._in_flight.pop(0)
         stamps = self._stamps
-        size = STAMPS_OFFSET + (8 * stamps.count if stamps is not None else 0)
-        raw = await self.device.read_staging(step.staging, size)
+        raw = await self.device.read_staging(step.staging, self._readback_bytes())
         (next_id,) = struct.unpack_from("<i", raw)
         ticks = list(memoryview(raw)[STAMPS_OFFSET:].cast("Q")) if stamps is not None else None
         return next_id, ticks
+
+    def _readback_bytes(self) -> int:
+        """A pass's readback: its id, then its timestamps."""
+        return STAMPS_OFFSET + (8 * self._stamps.count if self._stamps is not None else 0)
 
     def reset(self) -> None:
         self.kv.reset()
         self.cached_ids.clear()
         self.stats.clear()
-        self._in_flight.clear()  # passes left unfinished (an error midway) are abandoned
+        for step in self._in_flight:  # passes left unfinished (an error midway) are abandoned
+            self.device.cancel_read(step.staging)
+        self._in_flight.clear()
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens (a new turn reuses that prefix)."""

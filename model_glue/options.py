@@ -47,6 +47,9 @@ class RunOptions:
     prefill_chunk: int | None = None
     # Decode steps in flight (2..MAX_PIPELINE_DEPTH). None: DEFAULT_PIPELINE_DEPTH.
     pipeline_depth: int | None = None
+    # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds
+    # its passes bound (model_glue.loading.warm_up). None: on GPUs, not on CPU rasterizers (seconds there). Load time only.
+    warm_up: bool | None = None
 
     def check(self) -> "RunOptions":
         """This object if every field is valid, else a ModelError naming the field."""
@@ -59,8 +62,9 @@ class RunOptions:
                 parse_sharded_override(self.variant)
             except ValueError as err:
                 raise ModelError(str(err)) from err
-        if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False):
-            raise ModelError("replay and fold_norms are true or false")
+        if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False) \
+                or self.warm_up not in (None, True, False):
+            raise ModelError("replay, fold_norms and warm_up are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -73,7 +77,8 @@ class RunOptions:
         return replace(self, max_context=min(self.max_context or context_length, context_length),
                        fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
                        prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK),
-                       pipeline_depth=self.pipeline_depth or DEFAULT_PIPELINE_DEPTH)
+                       pipeline_depth=self.pipeline_depth or DEFAULT_PIPELINE_DEPTH,
+                       warm_up=not is_cpu if self.warm_up is None else self.warm_up)
 
     def merged(self, request: "RunOptions | None") -> "RunOptions":
         """A request's options over these (resolved) ones: the request's None fields keep ours."""

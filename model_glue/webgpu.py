@@ -87,6 +87,7 @@ class Device:
         self.subgroup_max_size: int | None = None
         self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
         self.bind_groups_made = 0  # a pass bound once and replayed makes none
+        self._reads: dict[int, object] = {}  # id(staging buffer) -> its map, asked for (`start_read`)
         # A CPU rasterizer (lavapipe, SwiftShader): no memory-level parallelism to win by splitting work.
         lowered = adapter_name.lower()
         self.is_cpu = any(word in lowered for word in ("llvmpipe", "lavapipe", "swiftshader", "(cpu)"))
@@ -156,10 +157,23 @@ class Device:
         """A buffer the host can map and read, filled by copies in a batch (a pass's readback)."""
         return self._buffer(_align4(nbytes), MAP_READ | COPY_DST)
 
+    def start_read(self, staging, nbytes: int) -> None:
+        """Ask now for a staging buffer's bytes, to be mapped once the work submitted so far is done
+        (`read_staging` takes them). A pass's readback is asked for right after its submit, so the
+        wait overlaps the passes behind it: in the browser every map is a round trip to the GPU
+        process, and asked for only when the id was wanted it added ~1 ms to every decode step."""
+        self._reads[id(staging)] = self._map_start(staging, _align4(nbytes))
+
+    def cancel_read(self, staging) -> None:
+        """Forget a read asked for and never taken (its pass abandoned), so the buffer can be reused."""
+        if self._reads.pop(id(staging), None) is not None:
+            staging.unmap()  # a pending map is cancelled; its promise's rejection is handled
+
     async def read_staging(self, staging, nbytes: int) -> bytes:
-        """Map a staging buffer once the work that fills it is done, and copy its bytes out."""
+        """Map a staging buffer once the work that fills it is done (or take the map `start_read`
+        asked for), and copy its bytes out."""
         try:
-            return await self._map_read(staging, _align4(nbytes))
+            return await self._map_read(staging, _align4(nbytes), self._reads.pop(id(staging), None))
         except Exception as err:
             await self._settle_lost()  # a device-lost notification may still be on its way
             raise self._lost(err) from err
@@ -411,7 +425,10 @@ class WgpuDevice(Device):
     def _write(self, buffer, offset, data):
         self._device.queue.write_buffer(buffer, offset, data)
 
-    async def _map_read(self, buffer, size):
+    def _map_start(self, buffer, size):
+        return None  # wgpu-py maps synchronously, when the bytes are wanted
+
+    async def _map_read(self, buffer, size, started=None):
         buffer.map_sync(MAP_READ, 0, size)
         data = bytes(buffer.read_mapped(0, size))
         buffer.unmap()
@@ -500,6 +517,7 @@ class BrowserDevice(Device):
     def __init__(self, device, name, features, limits):
         super().__init__(name, features, limits)
         self._device = device
+        self._ignore_rejection = None
 
     @classmethod
     async def open(cls, limit_caps: dict[str, int] | None = None) -> "BrowserDevice":
@@ -574,10 +592,19 @@ class BrowserDevice(Device):
         array.assign(data)
         self._device.queue.writeBuffer(buffer, offset, array)
 
-    async def _map_read(self, buffer, size):
+    def _map_start(self, buffer, size):
+        from pyodide.ffi import create_proxy
+
+        if self._ignore_rejection is None:  # one proxy for every map: a cancelled map rejects, unseen
+            self._ignore_rejection = create_proxy(lambda err: None)
+        promise = buffer.mapAsync(MAP_READ, 0, size)
+        promise.catch(self._ignore_rejection)
+        return promise
+
+    async def _map_read(self, buffer, size, started=None):
         import js
 
-        await buffer.mapAsync(MAP_READ, 0, size)
+        await (started if started is not None else buffer.mapAsync(MAP_READ, 0, size))
         data = js.Uint8Array.new(buffer.getMappedRange(0, size)).to_bytes()
         buffer.unmap()
         return data

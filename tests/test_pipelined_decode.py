@@ -112,6 +112,18 @@ def test_a_prefill_pass_is_bound_once_and_rewritten_for_the_next_prompt(loop, gp
     assert logits == loop.run_until_complete(fresh.read_logits())
 
 
+def test_the_warm_up_binds_the_first_prompts_passes_and_leaves_no_trace(loop, gpu, test_library, tiny_folder, tiny):
+    """RunOptions.warm_up (GPUs' default): after the load, a first prompt of up to 255 tokens
+    makes no bind group, and it answers exactly as on a model loaded without the warm-up."""
+    warm = load(loop, gpu, test_library, tiny_folder, "float32", warm_up=True)
+    assert warm.kv.length == 0 and warm.cached_ids == [] and warm.stats == []
+    made = warm.device.bind_groups_made
+    run = loop.run_until_complete(generate(warm, PROMPT, max_new_tokens=4))
+    assert warm.device.bind_groups_made == made, "the first prompt's passes were bound after the warm-up"
+    tiny.reset()
+    assert run.token_ids == loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=4)).token_ids
+
+
 def test_continuing_from_the_gpu_needs_a_token_there(loop, tiny):
     tiny.reset()
     with pytest.raises(ModelError, match="no token on the GPU"):
