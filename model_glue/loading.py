@@ -81,18 +81,20 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
 
 
 async def warm_up(model: LlamaModel) -> None:
-    """Run a prompt of dummy ids and one decode step, then forget them: the prefill and decode
-    passes are bound and the decode pass recorded before the first real prompt (binding a prefill
-    pass cost ~35 ms of the first reply's TTFT in Chromium on an H200). The prompt is one token
-    short of the switch, so the decode step runs the tiled nest, as the first replies do, and the
-    scratch buffers (a power of two) serve prompts up to 256 tokens."""
+    """Run a prompt of dummy ids and two decode steps, then forget them: the prefill and decode
+    passes are bound and the decode passes recorded before the first real prompt (binding a
+    prefill pass cost ~35 ms of the first reply's TTFT in Chromium on an H200). The scratch
+    buffers are sized for a whole prefill chunk first, so no later prompt reallocates them (which
+    drops every bound pass). The prompt is one token short of the switch: the first decode step
+    runs the tiled nest, as the first replies do, the second the sharded family, as long ones do."""
     from model_glue.generate import generate
 
-    tokens = min(TILED_MAX_CONTEXT - 1, model.kv.capacity - 2)  # leaves room for the decode step
+    tokens = min(TILED_MAX_CONTEXT - 1, model.kv.capacity - 3)  # leaves room for the decode steps
     if tokens < 1:
         return
+    model.ensure_scratch(model.run.prefill_chunk)
     try:
-        await generate(model, [1] * tokens, max_new_tokens=2)
+        await generate(model, [1] * tokens, max_new_tokens=3)
     finally:
         model.reset()
 

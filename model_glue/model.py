@@ -48,6 +48,9 @@ class StepStats:
     encode_ms: float = 0.0  # host time to encode and submit the pass
     gpu_ms: float | None = None  # GPU time from the pass's first dispatch to its last (timestamps)
     dispatches: int = 0  # compute dispatches in the pass
+    # How long the host waited for the pass's id. At steady state above 0: the host keeps up and the
+    # GPU is the bound; near 0 with step_ms above gpu_ms: the host is, and the GPU waits for it.
+    wait_ms: float = 0.0
 
 
 def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
@@ -151,6 +154,7 @@ class LlamaModel:
         self._staging: list = []
         self._in_flight: list[PendingPass] = []
         self._passes_submitted = 0
+        self._inputs_written: dict[str, tuple] = {}  # name -> (buffer, bytes) last written (`_write_changed`)
         self._last_finish = 0.0
         self.stats: list[StepStats] = []
 
@@ -214,7 +218,7 @@ class LlamaModel:
             **split_workspace_bytes(MAX_SPLITS, c.attention_shape),
         }
 
-    def _ensure_scratch(self, tokens: int) -> None:
+    def ensure_scratch(self, tokens: int) -> None:
         """Activation buffers for up to `tokens` tokens per pass (grown on demand, never shrunk)."""
         if tokens <= self._scratch_tokens:
             return
@@ -277,7 +281,7 @@ class LlamaModel:
             raise ModelError(str(err)) from err
         choice = self._pick_variant([context]) if nest == "sharded" else AttentionChoice(nest)
         slots = self.kv.reserve(n)
-        self._ensure_scratch(n)
+        self.ensure_scratch(n)
         if token_ids is not None:
             self.cached_ids.extend(token_ids)  # an id still on the GPU is added by the `finish` that reads it
         _, page_ids, _ = self._write_inputs(token_ids, start, slots, context)
@@ -317,20 +321,32 @@ class LlamaModel:
     def _write_inputs(self, token_ids, start: int, slots: list[int], context: int):
         """The pass's ids (a one-token pass reads its id where the last pass's argmax wrote), positions,
         K/V slots and page table."""
-        dev, buf = self.device, self.buffers
+        buf = self.buffers
         indptr, page_ids, last_len = self.kv.page_table([context])
         if token_ids is not None:
-            dev.write(buf["ids"] if len(token_ids) > 1 else buf["next_id"], array("i", token_ids).tobytes())
-        dev.write(buf["positions"], array("i", range(start, start + len(slots))).tobytes())
-        dev.write(buf["slots"], array("i", slots).tobytes())
-        dev.write(buf["indptr"], indptr.tobytes())
-        dev.write(buf["page_ids"], page_ids.tobytes())
-        dev.write(buf["last_len"], last_len.tobytes())
+            self.device.write(buf["ids"] if len(token_ids) > 1 else buf["next_id"], array("i", token_ids).tobytes())
+        self._write_changed("positions", array("i", range(start, start + len(slots))).tobytes())
+        self._write_changed("slots", array("i", slots).tobytes())
+        self._write_changed("indptr", indptr.tobytes())  # the page table changes once per page of tokens
+        self._write_changed("page_ids", page_ids.tobytes())
+        self._write_changed("last_len", last_len.tobytes())
         return indptr, page_ids, last_len
+
+    def _write_changed(self, name: str, data: bytes) -> None:
+        """Write an input only the host writes, unless it already holds `data` (each write is a few
+        calls into JS in the page)."""
+        buffer = self.buffers[name]
+        written = self._inputs_written.get(name)
+        if written is not None and written[0] is buffer and written[1] == data:
+            return
+        self.device.write(buffer, data)
+        self._inputs_written[name] = (buffer, data)
 
     async def finish(self, step: PendingPass) -> int:
         """Wait for a submitted pass, record its stats and return the token id it chose."""
+        waited = time.perf_counter()
         next_id, ticks = await self._read_back(step)
+        now = time.perf_counter()
         if self._in_flight and self._in_flight[0].input_on_gpu:
             self.cached_ids.append(next_id)  # the next pass, already submitted, was fed this id on the GPU
         stats = step.stats
@@ -341,7 +357,7 @@ class LlamaModel:
             spans = [ticks[2 * i + 1] - ticks[2 * i] for i in range(layers)]
             stats.attention_ms = sum(spans) / 1e6
             stats.timing_note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
-        now = time.perf_counter()
+        stats.wait_ms = round((now - waited) * 1e3, 3)
         # Pipelined steps overlap: a step's time runs from when the previous id arrived (or from its
         # own start, if that is later) to when its own id arrives.
         stats.step_ms = (now - max(step.started, self._last_finish)) * 1e3

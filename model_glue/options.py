@@ -25,8 +25,9 @@ CPU_PREFILL_CHUNK = 256
 # Decode steps in flight at once. With 2, the host reads step t's id while step t+1 runs; but the
 # page learns of a finished step a while after it ends (mapAsync goes through Chromium's GPU
 # process), and a step of SmolLM2 on an H200 takes ~1.5 ms, so with 2 the GPU waited for the host
-# every step (docs/benchmarks.md). 3 keeps it busy; a stop discards the steps already in flight.
-DEFAULT_PIPELINE_DEPTH = 3
+# every step. In Chromium on the H200 at ~1,550 tokens (docs/benchmarks.md) 3 gave 402-575 tok/s
+# and 4 539-628 over three page loads; a stop discards the steps already in flight.
+DEFAULT_PIPELINE_DEPTH = 4
 MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 

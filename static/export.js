@@ -2,7 +2,7 @@
 import { $, state } from "./ui.js";
 
 export const STEP_COLUMNS = ["reply", "kind", "tokens", "context", "nest", "variant", "attention_ms", "step_ms",
-  "timing_note", "encode_ms", "gpu_ms", "dispatches"];
+  "timing_note", "encode_ms", "gpu_ms", "dispatches", "wait_ms"];
 
 function csvField(value) {
   const text = value === null || value === undefined ? "" : String(value);

@@ -58,7 +58,8 @@ function drawLastStep() {
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
   $("overlay-last").textContent =
     `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · GPU ${gpu} · ` +
-    `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ${stats.dispatches} dispatches`;
+    `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ` +
+    `waited ${stats.wait_ms.toFixed(2)} ms for the id · ${stats.dispatches} dispatches`;
   $("overlay-note").textContent = stats.timing_note || "";
   drawOverlayChart();
   $("overlay").hidden = false;

@@ -32,12 +32,29 @@ def browser(tmp_path_factory):
         yield context
 
 
+# Records, in the very statement that makes the page ready, whether the lab's controls are wired
+# then (setUpLab shows the panel once they are): a tool polling for `ready` may click Run at once.
+# A setter on demoState.ready, installed before the page's modules run.
+RECORD_THE_LAB_AT_READY = """
+    let state;
+    Object.defineProperty(window, "demoState", { configurable: true, get: () => state, set: (value) => {
+        state = value;
+        let ready = value.ready;
+        Object.defineProperty(value, "ready", { enumerable: true, get: () => ready, set: (v) => {
+            ready = v;
+            if (v) window.labWiredAtReady = !document.getElementById("lab-panel").hidden;
+        } });
+    } });
+"""
+
+
 @pytest.fixture(scope="module")
 def page(browser, server):
     """The demo page, booted; records every request it makes."""
     # kernels only (?model=off); the chat is tested in test_browser_chat.py
     tab = open_page(browser, server + "/?model=off",
-                    "window.demoState && (window.demoState.ready || window.demoState.error)", BOOT_TIMEOUT_MS)
+                    "window.demoState && (window.demoState.ready || window.demoState.error)", BOOT_TIMEOUT_MS,
+                    before_load=lambda tab: tab.add_init_script(RECORD_THE_LAB_AT_READY))
     state = tab.evaluate("window.demoState")
     assert state.get("ready"), f"page failed: {state.get('error')}"
     yield tab
@@ -169,38 +186,18 @@ def test_attention_in_chromium_matches_reference(page, shape, variant):
     assert float(np.max(np.abs(lse - ref_lse))) <= 1e-3
 
 
-# Clicks the lab's Run in the very statement that makes the page ready (what a tool polling for
-# `ready` may do first): a setter on demoState.ready, installed before the page's modules run.
-CLICK_LAB_RUN_WHEN_READY = """
-    let state;
-    Object.defineProperty(window, "demoState", { configurable: true, get: () => state, set: (value) => {
-        state = value;
-        let ready = value.ready;
-        Object.defineProperty(value, "ready", { enumerable: true, get: () => ready, set: (v) => {
-            ready = v;
-            if (v) {
-                document.getElementById("lab-contexts").value = "64";
-                document.getElementById("lab-iters").value = "1";
-                document.getElementById("lab-run").click();
-            }
-        } });
-    } });
-"""
-
-
-def test_the_kernel_lab_runs_without_a_model(browser, server):
+def test_the_kernel_lab_runs_without_a_model(page):
     """?model=off (kernels only): the lab runs the benchmark shapes, each row f64-checked and timed.
     Its controls work from the moment the page says it is ready."""
-    page = open_page(browser, server + "/?model=off", "window.demoState && (window.demoState.ready || window.demoState.error)",
-                     BOOT_TIMEOUT_MS, before_load=lambda tab: tab.add_init_script(CLICK_LAB_RUN_WHEN_READY))
-    try:
-        page.click("#lab-details summary")
-        page.wait_for_function("() => window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
-                               timeout=300_000)
-        lab = page.evaluate("window.demoState.lab")
-        assert lab, page.inner_text("#lab-status")
-        assert [(r["shape"], r["nest"]) for r in lab["rows"]] == [
-            (shape, nest) for shape in ("D=64 8/32", "D=128 8/32", "D=256 4/8") for nest in ("tiled", "sharded", "auto")]
-        assert all(r["ok"] and r["us"] > 0 for r in lab["rows"]), lab["rows"]
-    finally:
-        page.close()
+    assert page.evaluate("window.labWiredAtReady") is True
+    page.click("#lab-details summary")
+    page.fill("#lab-contexts", "64")
+    page.fill("#lab-iters", "1")
+    page.click("#lab-run")
+    page.wait_for_function("() => window.demoState.lab || /failed|must be/.test(document.getElementById('lab-status').textContent)",
+                           timeout=300_000)
+    lab = page.evaluate("window.demoState.lab")
+    assert lab, page.inner_text("#lab-status")
+    assert [(r["shape"], r["nest"]) for r in lab["rows"]] == [
+        (shape, nest) for shape in ("D=64 8/32", "D=128 8/32", "D=256 4/8") for nest in ("tiled", "sharded", "auto")]
+    assert all(r["ok"] and r["us"] > 0 for r in lab["rows"]), lab["rows"]

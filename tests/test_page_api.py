@@ -36,7 +36,7 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
     assert gpu.fold_norms is True and gpu.prefill_chunk == 4096
     assert loaded.merged(RunOptions(variant="shards:8")).variant == "shards:8"
     assert loaded.merged(RunOptions(prefill_chunk=37)).prefill_chunk == 37
-    assert loaded.pipeline_depth == DEFAULT_PIPELINE_DEPTH and loaded.merged(RunOptions(pipeline_depth=4)).pipeline_depth == 4
+    assert loaded.pipeline_depth == DEFAULT_PIPELINE_DEPTH and loaded.merged(RunOptions(pipeline_depth=2)).pipeline_depth == 2
     assert gpu.warm_up is True and loaded.warm_up is False  # seconds on a CPU rasterizer
     with pytest.raises(ModelError, match="pipeline_depth must be 2"):
         RunOptions(pipeline_depth=1).check()
