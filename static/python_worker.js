@@ -14,7 +14,7 @@ globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserD
 let pyodide = null;
 let page = null;  // the chat.page module: every call below goes through it
 const handles = { session: null, chat: null };
-let console_ = null;  // the namespace of `python` calls (the tests' and tools' window.demo.python)
+let pythonNamespace = null;  // the namespace of `python` calls (the tests' and tools' window.demo.python)
 
 const post = (id, kind, value) => self.postMessage({ id, kind, value });
 
@@ -74,12 +74,12 @@ const calls = {
   // namespace kept between calls; the result comes back as plain JS. For the tests and the GPU
   // tools, which used to reach into the page's Pyodide directly.
   async python(id, { code, values }) {
-    console_ = console_ || pyodide.globals.get("dict")();
-    console_.set("page", page);
-    console_.set("session", handles.session);
-    console_.set("chat", handles.chat);
-    console_.set("values", pyodide.toPy(values || {}));
-    const result = await pyodide.runPythonAsync(code, { globals: console_ });
+    pythonNamespace = pythonNamespace || pyodide.globals.get("dict")();
+    pythonNamespace.set("page", page);
+    pythonNamespace.set("session", handles.session);
+    pythonNamespace.set("chat", handles.chat);
+    pythonNamespace.set("values", pyodide.toPy(values || {}));
+    const result = await pyodide.runPythonAsync(code, { globals: pythonNamespace });
     return result && typeof result.toJs === "function"
       ? result.toJs({ dict_converter: Object.fromEntries, create_pyproxies: false }) : result;
   },
