@@ -189,6 +189,7 @@ class DispatchPlan:
         self._passes = 0
         # (kernel name, its values in the first pass) -> the uniform those per-step entries share
         self._shared: dict[tuple, _SharedUniform] = {}
+        self._shared_by_name: dict[str, list[_SharedUniform]] = {}  # the same uniforms, per kernel (`refresh`)
         self._per_step_entries: list[_PlanEntry] = []
 
     def start(self) -> None:
@@ -206,6 +207,7 @@ class DispatchPlan:
                 shared = self._shared.get(key)
                 if shared is None:
                     shared = self._shared[key] = _SharedUniform(kernel, values)
+                    self._shared_by_name.setdefault(kernel.name, []).append(shared)
             bound = kernel.bind(buffers, values, shared.buffer if shared else None)
             self.entries.append(_PlanEntry(bound, values, shared))
             if per_step:
@@ -230,9 +232,8 @@ class DispatchPlan:
         [(kernel, values)] into their shared uniforms and give their entries the new grids."""
         self.start()
         for kernel, values in per_step:
-            for (name, _), shared in self._shared.items():
-                if name == kernel.name:
-                    shared.set(values, self._passes)
+            for shared in self._shared_by_name.get(kernel.name, ()):
+                shared.set(values, self._passes)
         for entry in self._per_step_entries:
             entry.bound.grid = entry.shared.grid
             entry.values = entry.shared.values
@@ -259,3 +260,4 @@ class DispatchPlan:
         self.entries.clear()
         self._per_step_entries.clear()
         self._shared.clear()
+        self._shared_by_name.clear()

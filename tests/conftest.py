@@ -144,6 +144,18 @@ def fresh_browser(tmp_path_factory):
         yield context
 
 
+def run_comparison(tab, max_tokens: int, timeout_ms: int, prompt: str | None = None) -> dict:
+    """Click Compare nests (on `prompt`, or on the text already in the box) and wait for the page's
+    result (window.demoState.lastCompare)."""
+    if prompt is not None:
+        tab.fill("#prompt", prompt)
+    tab.fill("#max-tokens", str(max_tokens))
+    tab.evaluate("window.demoState.lastCompare = null")
+    tab.click("#compare")
+    tab.wait_for_function("() => window.demoState.lastCompare", timeout=timeout_ms)
+    return tab.evaluate("window.demoState.lastCompare")
+
+
 def open_page(browser, url: str, ready: str, timeout_ms: int, before_load=None):
     """A new tab on `url`, waited until the JS expression `ready` holds; records its requests,
     console errors and HTTP errors (`tab.requests`, `tab.console_errors`, `tab.http_errors`).

@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import open_page
+from conftest import open_page, run_comparison
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -63,12 +63,7 @@ def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
 
 def test_compare_mode_shows_both_nests(chat_page):
     tab = chat_page
-    tab.fill("#max-tokens", "6")
-    tab.fill("#prompt", "Compare me")
-    tab.evaluate("window.demoState.lastCompare = null")
-    tab.click("#compare")
-    tab.wait_for_function("() => window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
-    result = tab.evaluate("window.demoState.lastCompare")
+    result = run_comparison(tab, 6, REPLY_TIMEOUT_MS, prompt="Compare me")
     assert result["identical"] and result["first_divergence"] is None
     assert tab.inner_text("#compare-verdict") == "Identical greedy text."
     assert tab.inner_text("#compare-tiled") == tab.inner_text("#compare-sharded")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, open_page
+from conftest import ROOT, open_page, run_comparison
 
 pytestmark = pytest.mark.browser
 LOAD_TIMEOUT_MS = 300_000
@@ -222,11 +222,7 @@ def switch_crossing_text() -> str:
 
 def compare_and_check(tab, min_tokens: int, steps: int):
     """Run the comparison on the text in the box and check what the page reports of it."""
-    tab.fill("#max-tokens", str(steps))
-    tab.evaluate("window.demoState.lastCompare = null")
-    tab.click("#compare")
-    tab.wait_for_function("() => window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
-    result = tab.evaluate("window.demoState.lastCompare")
+    result = run_comparison(tab, steps, REPLY_TIMEOUT_MS)
     assert result["prompt_tokens"] > min_tokens
     forced = result["teacher_forced"]
     assert forced["steps"] == steps and forced["match_rate"] == 1.0  # f32: the nests agree on every step
@@ -307,11 +303,7 @@ def test_the_overlay_shows_what_ran_last_and_covers_nothing(tab):
     """After New chat + Compare the overlay's chart shows the comparison's two runs (not "no timed
     decode steps yet"), after a reply the chat's own steps; at every width no section lies under it."""
     tab.click("#new-chat")
-    tab.fill("#prompt", "Compare me.")
-    tab.fill("#max-tokens", "4")
-    tab.evaluate("window.demoState.lastCompare = null")
-    tab.click("#compare")
-    tab.wait_for_function("() => window.demoState.lastCompare", timeout=REPLY_TIMEOUT_MS)
+    run_comparison(tab, 4, REPLY_TIMEOUT_MS, prompt="Compare me.")
     chart = tab.evaluate("window.demoState.overlayChart")
     assert chart["legend"] == ["tiled nest", "sharded family"] and chart["points"] == 2 * 3, chart
     send(tab, "And now a reply.", 4)
