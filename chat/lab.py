@@ -2,7 +2,7 @@
 
 For each benchmark shape (and the loaded model's) and each context, one decode step's attention for
 one layer (batch 1) through TVM's tiled nest, the sharded family as the host picks it for this
-adapter (variant and splits), and the host's automatic choice: GPU time per call (median of
+adapter (layout and splits), and the host's automatic choice: GPU time per call (median of
 `iters` timestamped calls, the fastest of ROUNDS rounds), per decode step for the model's layers,
 KV bytes read per second, and the tiled/sharded ratio next to the seed's. Each row is checked once,
 before it is timed, against a float64 reference computed here in Python for REFERENCE_HEADS query
@@ -21,11 +21,11 @@ import statistics
 import time
 from array import array
 
-from contract.kernels import MAX_SPLITS, PAGE_SIZE, SPLIT_WORKSPACE, AttentionSpec, subgroup_tag
+from contract.attention import MAX_SPLITS, AttentionChoice
+from contract.kernels import PAGE_SIZE, SPLIT_WORKSPACE
 from contract.model import BENCH_SHAPES, DTYPE_BYTES, AttentionShape
-from model_glue.attention import (AttentionChoice, attention_call, attention_dispatches, pick_decode_nest,
-                                  pick_sharded_variant, split_workspace_bytes, tiled_defect)
-from model_glue.loading import subgroup_build
+from model_glue.attention import (attention_call, attention_dispatches, choose_decode_attention,
+                                  resolve_attention_kernels, split_workspace_bytes)
 
 LAB_CONTEXTS = (256, 1024, 3060, 8192)
 CPU_LAB_CONTEXTS = (64, 300)  # a CPU rasterizer takes seconds per call beyond these
@@ -111,28 +111,13 @@ class LabInputs:
 
 
 async def _kernels_of(session, shape: AttentionShape, dtype: str, context: int, nest: str) -> tuple[list, AttentionChoice]:
-    """The kernels of one call of `nest` ("tiled", "sharded", or "auto": pick_decode_nest) as this
-    adapter runs it, and the choice they make (str: e.g. "subgroup S=4")."""
+    """The kernels of one call of `nest` ("tiled", "sharded", or "auto": the host's own choice) as
+    this adapter runs it (model_glue.attention), and the choice they make (str: e.g. "subgroup S=4").
+    A LookupError or ValueError says why the nest does not run this shape here."""
     device, library = session.device, session.library
-    if nest == "auto":
-        nest = pick_decode_nest([context])
-    if nest == "tiled":
-        name = AttentionSpec("tiled", shape, dtype).name
-        defect = tiled_defect(library.specs[name])
-        if defect:
-            raise LookupError(defect)
-        return [await library.kernel(name)], AttentionChoice("tiled")
-    build = subgroup_build(library, shape, dtype, device)
-    available = {v for v in ("shards", "shards_group") if AttentionSpec(v, shape, dtype).name in library.specs}
-    if build is not None:
-        available.add("subgroup")
-    choice = pick_sharded_variant([context], shape, is_cpu=device.is_cpu, subgroups=build is not None,
-                                  available=available)
-    tag = subgroup_tag(*build) if choice.variant == "subgroup" else None
-    kernels = [await library.kernel(AttentionSpec(choice.variant, shape, dtype, split=choice.split, tag=tag).name)]
-    if choice.split:
-        kernels.append(await library.kernel(AttentionSpec("merge", shape, dtype).name))
-    return kernels, choice
+    kernels = resolve_attention_kernels(library, shape, dtype, device)
+    choice = choose_decode_attention([context], kernels, is_cpu=device.is_cpu, attention=nest)
+    return [await library.kernel(name) for name in kernels.kernel_names(choice)], choice
 
 
 async def _gpu_seconds(device, bound: list, iters: int, rounds: int) -> float:
@@ -182,7 +167,7 @@ async def lab_rows(session, shape: AttentionShape, layers: int, context: int, dt
                    "context": context, "nest": nest, "dtype": dtype, "layers": layers}
             try:
                 kernels, choice = await _kernels_of(session, shape, dtype, context, nest)
-            except (LookupError, KeyError) as err:
+            except (LookupError, ValueError) as err:
                 rows.append({**row, "ran": None, "ok": False, "error": f"not run: {err}"})
                 continue
             buffers, values = attention_call(

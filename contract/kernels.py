@@ -16,17 +16,7 @@ from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
 
 # -- paged KV cache and decode attention -------------------------------------------------------------
 PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
-NESTS = ("tiled", "sharded")
-NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets pick_decode_nest choose
-# The sharded family's variants (model_glue.attention picks one per step):
-#   "shards"        the seed's layout (shards own whole K/V rows), one query head per workgroup
-#   "shards_group"  the same with a whole GQA group per workgroup (where the group fits)
-#   "subgroup"      K/V rows across subgroups, head dims across a subgroup's lanes, a GQA group per
-#                   workgroup (adapters with the `subgroups` feature)
-# Each runs over the whole context in one dispatch (S = 1: it writes output and lse itself), or cut
-# into S splits (its `split` kernel writes SPLIT_WORKSPACE) followed by the merge kernel.
-SHARDED_VARIANTS = ("shards", "shards_group", "subgroup")
-MAX_SPLITS = 128  # the most splits the host picks (the workspace is sized for it)
+# The nests, the sharded family's layouts and the step's choices between them: contract.attention.
 MAX_TOP_K = 64  # the sampler's candidate limit (its rounds each scan the whole vocabulary)
 
 # -- WebGPU limits the kernels are built within ----------------------------------------------------
@@ -52,19 +42,14 @@ MERGE_BUFFERS = SPLIT_WORKSPACE + ATTENTION_OUTPUTS
 PREFILL_ATTENTION_BUFFERS = ("q", "pages", "page_ids", "output")
 
 
-def subgroup_tag(row_lanes: int, subgroup_size: int | None = None) -> str:
-    """A subgroup-layout build's name tag: its lanes per K/V row, and the exact subgroup size it
-    is built for, if any (kernels.decode_attention_subgroup)."""
-    return f"l{row_lanes}" + (f"s{subgroup_size}" if subgroup_size else "")
-
-
 @dataclass(frozen=True)
 class AttentionSpec:
-    """One attention kernel of a shape: decode attention ("tiled" or a sharded-family variant, over
-    the whole context or, `split`, one split of it), the "merge" of a split call's partial states,
-    or causal "prefill" attention. `tag` names the variant's build (e.g. `subgroup_tag`)."""
+    """One attention kernel of a shape: decode attention (`kernel` "tiled", or a layout of the
+    sharded family, contract.attention.LAYOUTS, over the whole context or, `split`, one split of
+    it), the "merge" of a split call's partial states, or causal "prefill" attention. `tag` names
+    the layout's build (e.g. contract.attention.subgroup_tag)."""
 
-    variant: str
+    kernel: str
     shape: AttentionShape
     dtype: str
     sliding_window: bool = False
@@ -75,26 +60,26 @@ class AttentionSpec:
     def name(self) -> str:
         """The name encodes every compile-time parameter."""
         s, dtype = self.shape, DTYPE_TAGS[self.dtype]
-        if self.variant == "merge":  # merges the S partial states of any split variant of the shape
+        if self.kernel == "merge":  # merges the S partial states of any layout's split kernel
             return f"decode_merge_d{s.head_dim}_qo{s.num_qo_heads}_{dtype}"
-        if self.variant == "prefill":
+        if self.kernel == "prefill":
             return f"prefill_attention_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}"
-        return (f"decode_{self.variant}{'_' + self.tag if self.tag else ''}{'_split' if self.split else ''}"
+        return (f"decode_{self.kernel}{'_' + self.tag if self.tag else ''}{'_split' if self.split else ''}"
                 f"_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}{'_sw' if self.sliding_window else ''}")
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        if self.variant == "merge":
+        if self.kernel == "merge":
             return MERGE_BUFFERS
-        if self.variant == "prefill":
+        if self.kernel == "prefill":
             return PREFILL_ATTENTION_BUFFERS
         return ATTENTION_INPUTS + SPLIT_WORKSPACE if self.split else ATTENTION_BUFFERS
 
 
-def attention_kernel_name(variant: str, shape: AttentionShape, dtype: str, sliding_window: bool = False,
+def attention_kernel_name(kernel: str, shape: AttentionShape, dtype: str, sliding_window: bool = False,
                           split: bool = False, tag: str | None = None) -> str:
     """AttentionSpec(...).name, for a decode attention kernel."""
-    return AttentionSpec(variant, shape, dtype, sliding_window, split, tag).name
+    return AttentionSpec(kernel, shape, dtype, sliding_window, split, tag).name
 
 
 # -- the model's kernels --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ spec's, and the build fails unless the kernel declares exactly those buffers.
 
 The served artifact (`all_recipes`): decode attention for each shape the benchmark and the served
 models use, f16 for adapters with shader-f16 and f32 for the others (e.g. Chromium's SwiftShader):
-TVM's tiled nest and every variant of the sharded family, each over the whole context and split,
+TVM's tiled nest and every layout of the sharded family (contract.attention.LAYOUTS), each over the whole context and split,
 plus the merge and the prefill kernel; and every served model's kernels. The tests' artifact
 (`test_recipes`, `python -m app build --set tests`) holds what only the tests run: a grid of
 attention shapes and the tiny test model's kernels.
@@ -12,53 +12,46 @@ attention shapes and the tiny test model's kernels.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
+from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
 from contract.kernels import (TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec,
-                              llama_kernels, model_kernel_name, subgroup_tag)
+                              llama_kernels, model_kernel_name)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, TEST_MODEL_CONFIGS,
                             AttentionShape, LlamaConfig)
 from kernels import llama
 from kernels.decode_attention_merge import decode_attention_merge
-from kernels.decode_attention_sharded import decode_attention_sharded, shards_layout
-from kernels.decode_attention_subgroup import decode_attention_subgroup, subgroup_layout
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
 
+# Builders by name (a recipe names its builder, so recipes stay picklable for the build's process
+# pool). The sharded family's layouts name theirs in contract.attention.LAYOUTS ("module:function").
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe,
-    "tiled": decode_attention_tiled, "sharded": decode_attention_sharded, "subgroup": decode_attention_subgroup,
-    "merge": decode_attention_merge, "prefill_attention": prefill_attention,
+    "tiled": decode_attention_tiled, "merge": decode_attention_merge, "prefill_attention": prefill_attention,
     "quantized_matmul_tiled": quantized_matmul_tiled,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
 }
-
-# The subgroup layout's build parameters (kernels.decode_attention_subgroup). Lanes per K/V row: the
-# adapter's subgroups must hold them, so there is a build for the subgroup sizes seen (4:
-# SwiftShader, 8: lavapipe on 256-bit vectors, 32: NVIDIA, Apple, AMD RDNA; capped at head_dim / 8,
-# two vectors a lane) and the host takes the widest one that fits. Rows per row group per trip,
-# from the sweep on the H200 (docs/benchmarks.md).
-# Each build is (lanes per row, exact subgroup size or None): relative builds for subgroups of at
-# least 4, 8 and 32, and one for subgroups of exactly 32 (butterfly reductions, shuffle pre-merge).
-SUBGROUP_BUILDS = ((4, None), (8, None), (32, None), (32, 32))
-SUBGROUP_UNROLL = {64: 2, 128: 2, 256: 2}
 PROBE_BUFFERS = {"row_sum_probe": ("x", "out"), "stream_read_probe": ("x", "partial")}
 
 
-def subgroup_builds(head_dim: int, wanted=SUBGROUP_BUILDS) -> list[tuple[int, int | None]]:
-    """The distinct (lanes per row, exact size) builds of a head_dim (lanes capped at head_dim / 8)."""
-    return sorted({(min(lanes, head_dim // 8), exact) for lanes, exact in wanted}, key=lambda b: (b[0], b[1] or 0))
+def _resolve(path: str):
+    """The function a "module:function" path names."""
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 @dataclass(frozen=True)
 class KernelRecipe:
-    """A kernel to build: BUILDERS[builder](*args, **options) gives its PrimFunc (picklable for a
-    process pool). `buffers` are the names the runtime will bind: the build fails unless the kernel
-    declares exactly these. `subgroups` builds it with WebGPU's subgroup operations."""
+    """A kernel to build: its builder (a BUILDERS name or a "module:function" path) called with
+    (*args, **options) gives its PrimFunc (picklable for a process pool). `buffers` are the names
+    the runtime will bind: the build fails unless the kernel declares exactly these. `subgroups`
+    builds it with WebGPU's subgroup operations."""
 
     name: str
     builder: str
@@ -70,7 +63,8 @@ class KernelRecipe:
     subgroups: bool = False
 
     def make(self):
-        return BUILDERS[self.builder](*self.args, **self.options)
+        builder = _resolve(self.builder) if ":" in self.builder else BUILDERS[self.builder]
+        return builder(*self.args, **self.options)
 
 
 def probe_recipe(builder: str, name: str) -> KernelRecipe:
@@ -78,67 +72,61 @@ def probe_recipe(builder: str, name: str) -> KernelRecipe:
 
 
 def attention_recipe(spec: AttentionSpec, builder: str, meta: dict | None = None, *, options: dict | None = None,
-                     suffix: str = "") -> KernelRecipe:
+                     suffix: str = "", subgroups: bool = False) -> KernelRecipe:
     """The recipe of an attention kernel: its name and buffers from `spec`, the builder's shape
-    arguments from the spec's shape."""
+    arguments from the spec's shape. A sharded layout's build is recorded in the manifest as
+    `build` (its label, e.g. "subgroup_l8s32"; a sweep build's carries its suffix and `sweep`)."""
     s = spec.shape
-    if spec.variant == "merge":
+    if spec.kernel == "merge":
         args = (s.num_qo_heads, s.head_dim, spec.dtype)
-    elif spec.variant == "prefill":
+    elif spec.kernel == "prefill":
         args = (s.num_kv_heads, s.num_qo_heads, s.head_dim, spec.dtype)
     else:
         args = (s.num_kv_heads, s.num_qo_heads, s.head_dim, spec.dtype, spec.sliding_window)
     common = {"kind": "decode_attention", "num_kv_heads": s.num_kv_heads, "num_qo_heads": s.num_qo_heads,
               "head_dim": s.head_dim, "dtype": spec.dtype, "sliding_window": spec.sliding_window}
-    if spec.variant == "merge":
+    if spec.kernel == "merge":
         common["kind"] = "decode_attention_merge"
-    elif spec.variant == "prefill":
+    elif spec.kernel == "prefill":
         common = {"kind": "prefill_attention", **{k: common[k] for k in ("num_kv_heads", "num_qo_heads", "head_dim",
                                                                           "dtype")}}
+    elif spec.kernel == "tiled":
+        common.update(nest="tiled", split=False)
     else:
-        common.update(nest="tiled" if spec.variant == "tiled" else "sharded", variant=spec.variant, split=spec.split)
+        common.update(nest="sharded", layout=spec.kernel, split=spec.split,
+                      build=spec.kernel + (f"_{spec.tag}" if spec.tag else "") + suffix)
+        if suffix:
+            common["sweep"] = True
     # TVM's tiled kernel may exceed the 16 KiB default (f32, group 1); ours may not.
-    storage = TILED_WORKGROUP_STORAGE_BYTES if spec.variant == "tiled" else WORKGROUP_STORAGE_BYTES
+    storage = TILED_WORKGROUP_STORAGE_BYTES if spec.kernel == "tiled" else WORKGROUP_STORAGE_BYTES
     return KernelRecipe(spec.name + suffix, builder, args, {**common, **(meta or {})}, spec.buffers, storage,
-                        options or {}, subgroups=builder == "subgroup")
+                        options or {}, subgroups=subgroups)
 
 
-def shards_group_fits(shape: AttentionShape) -> bool:
-    """Whether a whole GQA group fits one workgroup of the shards layout."""
-    try:
-        shards_layout(shape.head_dim, shape.group)
-    except ValueError:
-        return False
-    return True
+def layout_recipes(layout: Layout, shape: AttentionShape, dtype: str, sliding_window: bool = False, *,
+                   build_params: dict | None = None, suffix: str = "") -> list[KernelRecipe]:
+    """Every build of one layout for a shape (none where the shape does not fit), each over the
+    whole context and split. `build_params` go to the layout's `builds` function (the sweep's and
+    the tests' choice of subgroup builds)."""
+    recipes = []
+    for build in _resolve(layout.builds)(layout.name, shape, **(build_params or {})):
+        for split in (False, True):
+            spec = AttentionSpec(layout.name, shape, dtype, sliding_window, split, build.tag)
+            recipes.append(attention_recipe(spec, layout.builder, build.meta, options={**build.options, "split": split},
+                                            suffix=suffix, subgroups=layout.needs_subgroups))
+    return recipes
 
 
 def attention_recipes(shape: AttentionShape, dtype: str, sliding_window: bool = False, *,
-                      builds=SUBGROUP_BUILDS, unroll: int | None = None, invocations: int = 256,
-                      suffix: str = "") -> list[KernelRecipe]:
-    """Every decode attention kernel the host may run for one shape: tiled, each sharded-family
-    variant over the whole context and split, and the merge (`builds`, `unroll`, `invocations` and
-    `suffix` make the benchmark's sweep of subgroup builds, which holds only those)."""
-    def spec(variant, split=False, tag=None):
-        return AttentionSpec(variant, shape, dtype, sliding_window, split, tag)
-
-    unroll = unroll or SUBGROUP_UNROLL[shape.head_dim]
-    variants = [("subgroup", subgroup_tag(lanes, exact), "subgroup",
-                 {"row_lanes": lanes, "unroll": unroll, "invocations": invocations, "subgroup_size": exact},
-                 {"row_lanes": subgroup_layout(shape.head_dim, shape.group, lanes, unroll)["row_lanes"],
-                  "subgroup_size": exact, "unroll": unroll, "heads": shape.group, "invocations": invocations})
-                for lanes, exact in subgroup_builds(shape.head_dim, builds)]
-    if not suffix:
-        variants.insert(0, ("shards", None, "sharded", {"group_heads": False}, {"heads": 1}))
-        if shards_group_fits(shape):
-            variants.insert(1, ("shards_group", None, "sharded", {"group_heads": True}, {"heads": shape.group}))
-    recipes = [] if suffix else [attention_recipe(spec("tiled"), "tiled")]
-    for variant, tag, builder, options, meta in variants:
-        for split in (False, True):
-            recipes.append(attention_recipe(spec(variant, split, tag), builder, meta,
-                                            options={**options, "split": split}, suffix=suffix))
-    if not suffix:
-        recipes.append(attention_recipe(spec("merge"), "merge"))
-    return recipes
+                      layouts: tuple[str, ...] = LAYOUT_NAMES, build_params: dict | None = None) -> list[KernelRecipe]:
+    """Every decode attention kernel the host may run for one shape: tiled, each layout of the
+    sharded family (contract.attention.LAYOUTS) over the whole context and split, and the merge."""
+    recipes = [attention_recipe(AttentionSpec("tiled", shape, dtype, sliding_window), "tiled")]
+    for layout in LAYOUTS:
+        if layout.name in layouts:
+            recipes += layout_recipes(layout, shape, dtype, sliding_window,
+                                      build_params=build_params if layout.needs_subgroups else None)
+    return recipes + [attention_recipe(AttentionSpec("merge", shape, dtype), "merge")]
 
 
 def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
@@ -180,11 +168,12 @@ def sweep_recipes() -> list[KernelRecipe]:
     """Subgroup kernels for every (row lanes, unroll, invocations) of the sweep, f16, for the
     benchmark's shapes (named with a _u{unroll}_i{invocations} suffix; the runtime never loads them)."""
     recipes = []
+    subgroup = LAYOUTS_BY_NAME["subgroup"]
     for shape in BENCH_SHAPES + [MODEL_CONFIGS["smollm2_135m"].attention_shape]:
         for unroll in SWEEP_UNROLL:
             for invocations in SWEEP_INVOCATIONS:
-                recipes += attention_recipes(shape, "float16", builds=SWEEP_BUILDS, unroll=unroll,
-                                             invocations=invocations, suffix=f"_u{unroll}_i{invocations}")
+                recipes += layout_recipes(subgroup, shape, "float16", suffix=f"_u{unroll}_i{invocations}", build_params={
+                    "builds": SWEEP_BUILDS, "unroll": unroll, "invocations": invocations})
     return recipes
 
 
@@ -202,7 +191,7 @@ TEST_SUBGROUP_BUILDS = ((8, None), (4, 8))
 # The shards layouts (the fallback without subgroups) compile slowest, so they run on fewer shapes:
 # both row paths (head_dim 64: a lane per dim; 128 and 256: dims split over threadIdx.y), both
 # dtypes, groups 3 and 8, a window at head_dim 64 (shards_group) and 256 (shards, f16).
-ALL_LAYOUTS = ("shards", "shards_group", "subgroup")
+ALL_LAYOUTS = LAYOUT_NAMES
 TEST_FAMILY_GRID = [(64, 1, "float16", ("subgroup",)), (64, 3, "float32", ALL_LAYOUTS),
                     (128, 2, "float16", ("subgroup",)), (128, 8, "float32", ALL_LAYOUTS),
                     (256, 8, "float32", ("shards", "subgroup"))]
@@ -258,8 +247,8 @@ def test_recipes() -> list[KernelRecipe]:
     cases = [(grid_shape(d, g), dtype, False, layouts) for d, g, dtype, layouts in TEST_FAMILY_GRID] + [
         (shape, dtype, True, layouts) for shape, dtype, layouts in TEST_WINDOW_SHAPES]
     for shape, dtype, window, layouts in cases:
-        recipes += [r for r in attention_recipes(shape, dtype, window, builds=subgroup_builds_for_tests(shape))
-                    if r.meta.get("variant", "merge") in layouts + ("tiled", "merge")]
+        recipes += attention_recipes(shape, dtype, window, layouts=layouts,
+                                     build_params={"builds": subgroup_builds_for_tests(shape)})
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     for flags in TEST_PREFILL_MATMULS:
         for dtype in DTYPES:

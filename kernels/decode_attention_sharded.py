@@ -55,8 +55,10 @@ from tvm.script import tirx as T
 
 from kernels.paged_kv import (LOG2_E, MASKED_SCORE, VEC, kv_len_of, lane_sum, partner_chunk, pow2_floor, rope_rotate,
                               seq_offset_of)
+from contract.attention import LayoutBuild
 from contract.kernels import MAX_INVOCATIONS as WORKGROUP_INVOCATIONS
 from contract.kernels import PAGE_SIZE
+from contract.model import AttentionShape
 
 LANE_DIMS = 64  # q and O dims each lane keeps in registers
 LANE_CHUNKS = LANE_DIMS // VEC  # vectors of q and O a lane keeps in registers
@@ -84,6 +86,18 @@ def check_shards_shape(num_kv_heads: int, num_qo_heads: int, head_dim: int, grou
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{num_qo_heads} query heads do not group over {num_kv_heads} KV heads")
     shards_layout(head_dim, num_qo_heads // num_kv_heads if group_heads else 1)
+
+
+def layout_builds(layout: str, shape: AttentionShape) -> list[LayoutBuild]:
+    """The builds of the "shards" (one query head per workgroup) and "shards_group" (a whole GQA
+    group per workgroup) layouts for a shape (contract.attention.LAYOUTS): one each, none where the
+    shape does not fit."""
+    group_heads = layout == "shards_group"
+    try:
+        check_shards_shape(shape.num_kv_heads, shape.num_qo_heads, shape.head_dim, group_heads)
+    except ValueError:
+        return []
+    return [LayoutBuild(None, {"group_heads": group_heads}, {"heads": shape.group if group_heads else 1})]
 
 
 def decode_attention_sharded(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, page_size=PAGE_SIZE,

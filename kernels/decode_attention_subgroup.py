@@ -43,8 +43,10 @@ from tvm.script import tirx as T
 
 from kernels.paged_kv import (LOG2_E, MASKED_ROW, MASKED_SCORE, VEC, broadcast, kv_len_of, lane_of, pow2_floor,
                               rope_cos_sin, seq_offset_of)
+from contract.attention import LayoutBuild, subgroup_tag
 from contract.kernels import MAX_INVOCATIONS
 from contract.kernels import PAGE_SIZE
+from contract.model import AttentionShape
 
 STAGE_BYTES = 8192  # the O merge stage
 STATS = 2  # partial_stats[..., 0] = max, [..., 1] = denominator
@@ -67,6 +69,35 @@ def subgroup_layout(head_dim: int, heads: int, row_lanes: int, unroll: int,
         raise ValueError(f"{invocations} invocations per workgroup do not hold whole rows of {lanes} lanes")
     return {"row_lanes": lanes, "chunks_per_lane": head_dim // VEC // lanes, "row_groups": invocations // lanes,
             "head_lanes": head_lanes, "head_vecs": head_vecs, "unroll": unroll, "invocations": invocations}
+
+
+# The served builds. Lanes per K/V row: the adapter's subgroups must hold them, so there is a build for
+# the subgroup sizes seen (4: SwiftShader, 8: lavapipe on 256-bit vectors, 32: NVIDIA, Apple, AMD RDNA;
+# capped at head_dim / 8, two vectors a lane) and the host takes the widest one that fits. Each build
+# is (lanes per row, exact subgroup size or None): relative builds for subgroups of at least 4, 8 and
+# 32, and one for subgroups of exactly 32 (butterfly reductions, shuffle pre-merge). Rows per row group
+# per trip (`unroll`), from the sweep on the H200 (docs/benchmarks.md).
+SUBGROUP_BUILDS = ((4, None), (8, None), (32, None), (32, 32))
+SUBGROUP_UNROLL = {64: 2, 128: 2, 256: 2}
+
+
+def distinct_builds(head_dim: int, wanted=SUBGROUP_BUILDS) -> list[tuple[int, int | None]]:
+    """The distinct (lanes per row, exact size) builds of a head_dim (lanes capped at head_dim / 8)."""
+    capped = {(min(lanes, head_dim // MIN_DIMS_PER_LANE), exact) for lanes, exact in wanted}
+    return sorted(capped, key=lambda b: (b[0], b[1] or 0))
+
+
+def layout_builds(layout: str, shape: AttentionShape, *, builds=SUBGROUP_BUILDS, unroll: int | None = None,
+                  invocations: int = MAX_INVOCATIONS) -> list[LayoutBuild]:
+    """The builds of the "subgroup" layout for a shape (contract.attention.LAYOUTS): one per
+    (lanes per row, exact subgroup size) of `builds`; `unroll` and `invocations` are the
+    benchmark sweep's other parameters."""
+    unroll = unroll or SUBGROUP_UNROLL[shape.head_dim]
+    return [LayoutBuild(subgroup_tag(lanes, exact),
+                        {"row_lanes": lanes, "unroll": unroll, "invocations": invocations, "subgroup_size": exact},
+                        {"row_lanes": subgroup_layout(shape.head_dim, shape.group, lanes, unroll)["row_lanes"],
+                         "subgroup_size": exact, "unroll": unroll, "heads": shape.group, "invocations": invocations})
+            for lanes, exact in distinct_builds(shape.head_dim, builds)]
 
 
 def decode_attention_subgroup(num_kv_heads, num_qo_heads, head_dim, dtype, sliding_window, page_size=PAGE_SIZE,

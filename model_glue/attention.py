@@ -1,17 +1,23 @@
 """Decode attention on the host side: which kernels run, and how one call is assembled.
 
-`pick_decode_nest` decides between TVM's tiled kernel and the sequence-sharded family,
-`pick_sharded_variant` which variant of the family and into how many splits the context is cut,
-and `attention_call` names a call's buffers and values. The runtime, the tests and the benchmarks
-all use them.
+`resolve_attention_kernels` says which of the artifact's attention kernels run a shape on this
+device (the tiled nest, its defect if any, the merge, prefill, and per layout of contract.attention
+the build this device runs). `choose_decode_attention` makes a step's choice from it:
+`pick_decode_nest` (tiled or sharded), then `pick_layout` (which layout and how many splits).
+`attention_call` names a call's buffers and values. Loading, the model, the kernel lab, the
+benchmarks and the tests all go through these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Collection
+
 from contract.artifacts import KernelSpec
-from contract.kernels import ATTENTION_BUFFERS, MAX_SPLITS, NEST_CHOICES, PAGE_SIZE, SHARDED_VARIANTS, SPLIT_WORKSPACE
+from contract.attention import (LAYOUTS, LAYOUTS_BY_NAME, MAX_SPLITS, NEST_CHOICES, AttentionChoice, Layout,
+                                LayoutChoice)
+from contract.kernels import ATTENTION_BUFFERS, PAGE_SIZE, SPLIT_WORKSPACE, AttentionSpec
 from contract.model import AttentionShape
 
 # Up to this many context tokens the tiled nest's low fixed cost wins; above it, sharded.
@@ -83,107 +89,172 @@ def pick_decode_nest(context_lens: list[int], override: str = "auto", tiled_defe
     return "sharded" if max(context_lens, default=0) > TILED_MAX_CONTEXT else "tiled"
 
 
-# -- the sharded family: which variant, and into how many splits the context is cut ---------------------
-@dataclass(frozen=True)
-class AttentionChoice:
-    """The decode-attention kernel(s) of one step: "tiled", or a variant of the sharded family over
-    the whole context (num_splits 1: one dispatch) or cut into num_splits splits (split kernel + merge)."""
-
-    variant: str  # "tiled" or one of SHARDED_VARIANTS
-    num_splits: int = 1
-
-    @property
-    def split(self) -> bool:
-        return self.num_splits > 1
-
-    def __str__(self) -> str:
-        return f"{self.variant} S={self.num_splits}" if self.split else self.variant
-
-
+# -- which kernels run a shape on this device ------------------------------------------------------------
 def split_workspace_bytes(max_rows: int, shape: AttentionShape) -> dict[str, int]:
     """Bytes of the split workspace for every call with batch * num_splits <= max_rows."""
     rows = max_rows * shape.num_qo_heads
     return dict(zip(SPLIT_WORKSPACE, (rows * shape.head_dim * 4, rows * 2 * 4)))
 
 
-def parse_sharded_override(text: str) -> AttentionChoice:
-    """'subgroup', 'shards:8' or 'shards_group:4' (benchmarks and tests force a variant this way)."""
-    variant, _, splits = text.partition(":")
-    if variant not in SHARDED_VARIANTS:
-        raise ValueError(f"sharded variant must be one of {SHARDED_VARIANTS}, got {variant!r}")
-    num_splits = int(splits or 1)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"the number of splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    return AttentionChoice(variant, num_splits)
-
-
-# The rules, from sweeps on an NVIDIA H200 (docs/benchmarks.md, "Choosing S"). A split pays while the
-# GPU has idle SMs, and costs a merge: S doubles (powers of two) while the call stays within
-# TARGET_WORKGROUPS workgroups and each split keeps at least MIN_SPLIT_ROWS rows.
-#  - "subgroup" serves a whole GQA group per workgroup (B * H_kv * S workgroups); GPUs whose subgroups
-#    fit a build run it (pick_subgroup_build). Long contexts go on to WIDE_WORKGROUPS while a split
-#    still holds WIDE_SPLIT_ROWS rows (e.g. 8 KV heads at 32,768 tokens: S = 32).
-#  - "shards" serves one query head per workgroup (B * H_qo * S); GPUs without subgroups run it.
-#  - A CPU rasterizer (lavapipe, SwiftShader) has no idle SMs to fill: one split. Its subgroups are
-#    its SIMD lanes, and "subgroup" with that many lanes per row ran 2-4x faster there than the shards
-#    layout (docs/benchmarks.md, lavapipe); without a fitting build, a whole GQA group per workgroup
-#    where the shape fits ("shards_group": each K/V row read once per group).
-SUBGROUP_TARGET_WORKGROUPS = 128
-SUBGROUP_MIN_SPLIT_ROWS = 128
-SUBGROUP_WIDE_WORKGROUPS = 256
-SUBGROUP_WIDE_SPLIT_ROWS = 512
-SHARDS_TARGET_WORKGROUPS = 128
-SHARDS_MIN_SPLIT_ROWS = 64
-
-
 def pick_subgroup_build(builds, subgroup_min_size: int | None, subgroup_max_size: int | None):
-    """Of the artifact's subgroup-layout builds, (row_lanes, exact subgroup size or None) each, the
-    one this device runs best, or None. A build for an exact size needs subgroups of exactly that
-    size (min == max); a relative build needs a row's lanes to fit the smallest subgroup
+    """Of a subgroup layout's builds, (row_lanes, exact subgroup size or None) each, the one this
+    device runs best, or None. A build for an exact size needs subgroups of exactly that size
+    (min == max); a relative build needs a row's lanes to fit the smallest subgroup
     (kernels.decode_attention_subgroup), and the widest such build wins."""
     exact = [b for b in builds if b[1] and subgroup_min_size == subgroup_max_size == b[1]]
     relative = [b for b in builds if not b[1] and subgroup_min_size and b[0] <= subgroup_min_size]
     return max(exact or relative, default=None)
 
 
-def _splits(workgroups_per_split: int, longest: int, max_splits: int, tiers) -> int:
-    """The largest power of two S (<= max_splits) such that some tier (most workgroups, fewest rows a
-    split) admits it."""
+@dataclass(frozen=True)
+class LayoutKernels:
+    """One build of a layout for a shape: its whole-context and split kernels (artifact names)."""
+
+    layout: Layout
+    build: str  # the manifest's label of the build, e.g. "subgroup_l8s32" or "shards"
+    whole: str
+    split: str
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The artifact's attention kernels that run one shape and dtype on one device."""
+
+    shape: AttentionShape
+    dtype: str
+    tiled: str
+    tiled_defect: str | None  # why TVM's tiled kernel must not run for this shape (see `tiled_defect`)
+    merge: str
+    prefill: str | None  # the causal prefill kernel (None: the artifact has none for the shape)
+    layouts: dict[str, LayoutKernels]  # layout name -> the build this device runs, for each it can
+    unavailable: dict[str, str]  # layout name -> why it does not run here
+
+    def kernel_names(self, choice: AttentionChoice) -> list[str]:
+        """The kernels of one call, in dispatch order: one kernel, or a layout's split kernel and the merge."""
+        if choice.nest == "prefill":
+            if self.prefill is None:
+                raise LookupError(f"the kernel artifact has no prefill attention for {self.shape}")
+            return [self.prefill]
+        if choice.nest == "tiled":
+            return [self.tiled]
+        kernels = self.layouts.get(choice.layout)
+        if kernels is None:
+            raise ValueError(self._why_not(choice.layout))
+        return [kernels.split, self.merge] if choice.split else [kernels.whole]
+
+    def check(self, forced: LayoutChoice) -> None:
+        """A ValueError saying why a forced layout cannot run here, if it cannot."""
+        if forced.layout not in self.layouts:
+            raise ValueError(self._why_not(forced.layout))
+
+    def _why_not(self, layout: str) -> str:
+        return f"the {layout!r} layout does not run here: {self.unavailable.get(layout, 'no such layout')}"
+
+
+def runnable_builds(library, shape: AttentionShape, dtype: str, device, *, sweep: bool = False) -> list[LayoutKernels]:
+    """Every build of every layout the artifact holds for the shape (without a window) that this
+    device can run; `sweep` adds the benchmark sweep's builds (`python -m app build --set sweep`)."""
+    found = []
+    for name in library.names(kind="decode_attention", nest="sharded", split=False, dtype=dtype, sliding_window=False,
+                              head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads):
+        meta = library.specs[name].meta
+        layout = LAYOUTS_BY_NAME.get(meta["layout"])
+        if layout is None or (meta.get("sweep") and not sweep):
+            continue
+        if layout.needs_subgroups and pick_subgroup_build([(meta["row_lanes"], meta["subgroup_size"])],
+                                                          device.subgroup_min_size, device.subgroup_max_size) is None:
+            continue  # this device's subgroups do not fit the build
+        split = next((n for n in library.names(kind="decode_attention", split=True, build=meta["build"], dtype=dtype,
+                                               sliding_window=False, head_dim=shape.head_dim,
+                                               num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)), None)
+        if split is not None:
+            found.append(LayoutKernels(layout, meta["build"], name, split))
+    return found
+
+
+def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device) -> AttentionKernels:
+    """Which attention kernels of the artifact run `shape` in `dtype` on `device`: the one place
+    loading, the model, the kernel lab and the benchmarks learn it. A layout with several builds
+    that fit (the subgroup layout) runs the one `pick_subgroup_build` prefers."""
+    names = {kernel: AttentionSpec(kernel, shape, dtype).name for kernel in ("tiled", "merge", "prefill")}
+    missing = [names[k] for k in ("tiled", "merge") if names[k] not in library.specs]
+    if missing:
+        raise LookupError(f"the kernel artifact has no {' or '.join(missing)}")
+    builds = runnable_builds(library, shape, dtype, device)
+    layouts, unavailable = {}, {}
+    for layout in LAYOUTS:
+        mine = [b for b in builds if b.layout is layout]
+        if layout.needs_subgroups and mine:
+            metas = {(library.specs[b.whole].meta["row_lanes"], library.specs[b.whole].meta["subgroup_size"]): b
+                     for b in mine}
+            mine = [metas[pick_subgroup_build(metas, device.subgroup_min_size, device.subgroup_max_size)]]
+        if len(mine) > 1:
+            raise LookupError(f"the artifact has {len(mine)} builds of the {layout.name!r} layout for {shape} "
+                              "and no rule to choose between them")
+        if mine:
+            layouts[layout.name] = mine[0]
+        elif layout.needs_subgroups and library.names(kind="decode_attention", layout=layout.name, dtype=dtype,
+                                                      head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads,
+                                                      num_qo_heads=shape.num_qo_heads):
+            unavailable[layout.name] = (f"this device cannot run it (subgroups {device.subgroup_min_size}-"
+                                        f"{device.subgroup_max_size}; its builds need the subgroups feature and "
+                                        "a subgroup that holds their lanes per row)")
+        else:
+            unavailable[layout.name] = "the kernel artifact has no kernels of it for this shape (it may not fit)"
+    return AttentionKernels(shape, dtype, names["tiled"], tiled_defect(library.specs[names["tiled"]]), names["merge"],
+                            names["prefill"] if names["prefill"] in library.specs else None, layouts, unavailable)
+
+
+# -- a step's choice: the nest, then the layout and its splits ------------------------------------------------
+def _splits(workgroups_per_split: int, longest: int, head_dim: int, max_splits: int, tiers) -> int:
+    """The largest power of two S (<= max_splits) that some tier (most workgroups, fewest rows a
+    split, fewest K/V elements a split) admits."""
+    def admits(splits, most, rows, elements):
+        split_rows = longest // splits
+        return splits * workgroups_per_split <= most and split_rows >= rows and split_rows * head_dim >= elements
+
     splits = 1
-    while 2 * splits <= max_splits and any(2 * splits * workgroups_per_split <= most and longest // (2 * splits) >= rows
-                                           for most, rows in tiers):
+    while 2 * splits <= max_splits and any(admits(2 * splits, *tier) for tier in tiers):
         splits *= 2
     return splits
 
 
-def pick_sharded_variant(context_lens: list[int], shape: AttentionShape, *, is_cpu: bool, subgroups: bool,
-                         available: frozenset[str] | set[str] = frozenset(SHARDED_VARIANTS),
-                         max_rows: int = MAX_SPLITS, override: str | None = None) -> AttentionChoice:
-    """The sharded-family variant and its split count S for one step of a batch (whose longest
-    context is above the tiled nest's range).
+def pick_layout(context_lens: list[int], shape: AttentionShape, *, available: Collection[str], is_cpu: bool,
+                max_rows: int = MAX_SPLITS, forced: LayoutChoice | None = None) -> AttentionChoice:
+    """The sharded nest's layout and split count S for one step of a batch (whose longest context
+    is above the tiled nest's range).
 
-    `subgroups`: the device runs the artifact's subgroup kernels (it has the feature and subgroups
-    of at least their row lanes); `available`: the variants the artifact holds for this shape
-    ("shards_group" only where the group fits the layout); `max_rows` bounds batch * S (the
-    workspace's size); `override` forces a choice ('shards:8', 'subgroup', ...).
+    `available`: the layouts that run this shape on this device (AttentionKernels.layouts; required,
+    so that no caller picks a kernel the artifact or the device refused); `max_rows` bounds batch * S
+    (the workspace's size); `forced` holds the choice to a layout and S. The rule: the available
+    layout of lowest rank (contract.attention.LAYOUTS: gpu_rank, or cpu_rank on a CPU rasterizer,
+    which has no idle SMs to fill and runs one split); on GPUs, S from the layout's split tiers.
     """
-    if override:
-        choice = parse_sharded_override(override)
-        if choice.variant not in available:
-            raise ValueError(f"the artifact has no {choice.variant!r} kernels for this shape")
-        if choice.variant == "subgroup" and not subgroups:
-            raise ValueError("this device cannot run the subgroup kernels (no subgroups feature, or its "
-                             "subgroups are smaller than the kernels' row lanes)")
-        return choice
+    if forced is not None:
+        if forced.layout not in available:
+            raise ValueError(f"the {forced.layout!r} layout does not run this shape here")
+        return AttentionChoice("sharded", forced.layout, forced.num_splits)
+    ranked = sorted((rank, layout.name) for layout in LAYOUTS if layout.name in available
+                    for rank in [layout.cpu_rank if is_cpu else layout.gpu_rank] if rank is not None)
+    if not ranked:
+        raise ValueError(f"no layout of the sharded family runs {shape} here (available: {sorted(available)})")
+    layout = LAYOUTS_BY_NAME[ranked[0][1]]
     if is_cpu:
-        if subgroups and "subgroup" in available:
-            return AttentionChoice("subgroup", 1)
-        return AttentionChoice("shards_group" if "shards_group" in available else "shards", 1)
+        return AttentionChoice("sharded", layout.name, 1)
     batch = max(len(context_lens), 1)
-    longest = max(context_lens, default=0)
+    heads = shape.num_kv_heads if layout.group_per_workgroup else shape.num_qo_heads
     max_splits = min(MAX_SPLITS, max(max_rows // batch, 1))
-    if subgroups and "subgroup" in available:
-        return AttentionChoice("subgroup", _splits(batch * shape.num_kv_heads, longest, max_splits, (
-            (SUBGROUP_TARGET_WORKGROUPS, SUBGROUP_MIN_SPLIT_ROWS), (SUBGROUP_WIDE_WORKGROUPS, SUBGROUP_WIDE_SPLIT_ROWS))))
-    return AttentionChoice("shards", _splits(batch * shape.num_qo_heads, longest, max_splits,
-                                             ((SHARDS_TARGET_WORKGROUPS, SHARDS_MIN_SPLIT_ROWS),)))
+    return AttentionChoice("sharded", layout.name, _splits(batch * heads, max(context_lens, default=0), shape.head_dim,
+                                                           max_splits, layout.split_tiers))
+
+
+def choose_decode_attention(context_lens: list[int], kernels: AttentionKernels, *, is_cpu: bool,
+                            attention: str = "auto", forced: LayoutChoice | None = None,
+                            max_rows: int = MAX_SPLITS) -> AttentionChoice:
+    """One decode step's attention: the nest (`attention`: "auto", or forced "tiled" / "sharded"),
+    then for the sharded nest its layout and S on this device."""
+    nest = pick_decode_nest(context_lens, attention, kernels.tiled_defect)
+    if nest == "tiled":
+        return AttentionChoice("tiled")
+    return pick_layout(context_lens, kernels.shape, available=kernels.layouts, is_cpu=is_cpu, max_rows=max_rows,
+                       forced=forced)

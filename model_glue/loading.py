@@ -11,14 +11,15 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import SHARDED_VARIANTS, AttentionSpec, llama_kernels, model_kernel_name, subgroup_tag
-from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, AttentionShape, LlamaConfig
-from model_glue.attention import TILED_MAX_CONTEXT, pick_subgroup_build
+from contract.kernels import llama_kernels, model_kernel_name
+from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, LlamaConfig
+from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
 from model_glue.errors import ModelError
 from model_glue.kernel import unmet_limits
 from model_glue.kv_cache import PagedKVCache
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
+from model_glue.scratch import scratch_sizes
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 
@@ -45,13 +46,13 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
     if dtype == "float16" and not device.has_f16:
         raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
     names = _kernel_names(library, config_name, config, dtype)
-    attention_names = _attention_kernel_names(library, config, dtype, device)
+    attention = _attention_kernels(library, config, dtype, device)
     esize = DTYPE_BYTES[dtype]
-    _check_limits(device, library, list(names.values()) + [attention_names["tiled"], attention_names["prefill"]], {
+    _check_limits(device, library, list(names.values()) + [attention.tiled, attention.prefill], {
         "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
         "one layer's KV cache": PagedKVCache.layer_bytes(config, esize, options.max_context),
-        "the largest activation buffer": max(LlamaModel.scratch_sizes(config, esize, options.prefill_chunk,
-                                                                      options.max_context).values()),
+        "the largest activation buffer": max(scratch_sizes(config, esize, options.prefill_chunk,
+                                                           options.max_context).values()),
     })
     progress(f"reading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
     try:
@@ -72,7 +73,7 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
             raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
         weights[name] = device.storage_buffer(t["nbytes"], data)
     progress("compiling kernels")
-    model = LlamaModel(device, library, config, config_name, dtype, weights, names, attention_names, options)
+    model = LlamaModel(device, library, config, config_name, dtype, weights, names, attention, options)
     await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
     if options.warm_up:
         progress("binding the passes")
@@ -121,36 +122,21 @@ def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) ->
     return names
 
 
-def _attention_kernel_names(library, config: LlamaConfig, dtype: str, device) -> dict:
-    """"prefill", "tiled", "merge" and (variant, split) -> artifact name, for the attention kernels the
-    artifact holds for the model's shape and this device runs (prefill, tiled, the merge and "shards"
-    must be there; "subgroup" is the build model_glue.attention.pick_subgroup_build picks, if any)."""
-    shape = config.attention_shape
-    names = {key: AttentionSpec(key, shape, dtype).name for key in ("prefill", "tiled", "merge")}
-    build = subgroup_build(library, shape, dtype, device)
-    tags = {"subgroup": subgroup_tag(*build) if build else None}
-    for variant in SHARDED_VARIANTS:
-        if variant == "subgroup" and build is None:
-            continue
-        for split in (False, True):
-            name = AttentionSpec(variant, shape, dtype, split=split, tag=tags.get(variant)).name
-            if name in library.specs:
-                names[variant, split] = name
-    missing = [key for key in ("tiled", "merge", "prefill", ("shards", False), ("shards", True))
-               if key not in names or names[key] not in library.specs]
-    if missing:
-        raise ModelError(f"the kernel artifact lacks the attention kernels of this model ({missing}); "
+def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> AttentionKernels:
+    """The artifact's attention kernels for the model's shape that run on this device
+    (model_glue.attention.resolve_attention_kernels); the prefill kernel and at least one layout
+    this device's rule may pick must be among them."""
+    try:
+        attention = resolve_attention_kernels(library, config.attention_shape, dtype, device)
+    except LookupError as err:
+        raise ModelError(f"{err}; rebuild the kernel artifact with `python -m app build`") from err
+    ranks = [layout.layout.cpu_rank if device.is_cpu else layout.layout.gpu_rank for layout in attention.layouts.values()]
+    if attention.prefill is None or all(rank is None for rank in ranks):
+        missing = ["prefill attention"] * (attention.prefill is None) + \
+            [f"a sharded layout this device runs ({attention.unavailable})"] * all(rank is None for rank in ranks)
+        raise ModelError(f"the kernel artifact lacks the attention kernels of this model ({'; '.join(missing)}); "
                          "rebuild it with `python -m app build`")
-    return names
-
-
-def subgroup_build(library, shape: AttentionShape, dtype: str, device):
-    """Of the artifact's subgroup-layout builds for the shape, (row lanes, exact size or None) of the one
-    this device runs (model_glue.attention.pick_subgroup_build), or None."""
-    builds = {(library.specs[n].meta["row_lanes"], library.specs[n].meta["subgroup_size"]) for n in library.names(
-        kind="decode_attention", variant="subgroup", dtype=dtype, sliding_window=False, head_dim=shape.head_dim,
-        num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)}
-    return pick_subgroup_build(builds, device.subgroup_min_size, device.subgroup_max_size)
+    return attention
 
 
 def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -> None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-from contract.kernels import NEST_CHOICES
-from model_glue.attention import parse_sharded_override
+from contract.attention import NEST_CHOICES, LayoutChoice
 from model_glue.errors import ModelError
 
 # Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
@@ -37,8 +36,9 @@ class RunOptions:
     max_context: int | None = None
     # The decode attention nest: "auto" (pick_decode_nest), or "tiled" / "sharded" forced (comparison mode).
     attention: str = "auto"
-    # The sharded family held to a variant and split count, e.g. "shards:8" (benchmarks, tests); None: the adapter's rule.
-    variant: str | None = None
+    # The sharded nest held to a layout and split count (benchmarks, tests): a LayoutChoice, or its text
+    # such as "shards:8", parsed once here. None: the adapter's rule (model_glue.attention.pick_layout).
+    layout: LayoutChoice | None = None
     # Replay recorded decode passes (in the page: one call into JS); False encodes every pass in Python.
     replay: bool = True
     # Fold each RMSNorm into the matmul after it and SwiGLU into gate/up (6 dispatches a layer instead
@@ -52,17 +52,21 @@ class RunOptions:
     # its passes bound (model_glue.loading.warm_up). None: on GPUs, not on CPU rasterizers (seconds there). Load time only.
     warm_up: bool | None = None
 
+    def __post_init__(self):
+        if isinstance(self.layout, str):  # the one place a layout's text is parsed
+            try:
+                object.__setattr__(self, "layout", LayoutChoice.parse(self.layout))
+            except ValueError as err:
+                raise ModelError(str(err)) from err
+
     def check(self) -> "RunOptions":
         """This object if every field is valid, else a ModelError naming the field."""
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 1):
             raise ModelError(f"max_context must be a positive number of tokens, not {self.max_context!r}")
         if self.attention not in NEST_CHOICES:
             raise ModelError(f"attention must be one of {', '.join(NEST_CHOICES)}, not {self.attention!r}")
-        if self.variant is not None:
-            try:
-                parse_sharded_override(self.variant)
-            except ValueError as err:
-                raise ModelError(str(err)) from err
+        if self.layout is not None and not isinstance(self.layout, LayoutChoice):
+            raise ModelError(f"layout must be a sharded layout such as 'shards:8', not {self.layout!r}")
         if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False) \
                 or self.warm_up not in (None, True, False):
             raise ModelError("replay, fold_norms and warm_up are true or false")
@@ -89,16 +93,23 @@ class RunOptions:
         if request.max_context not in (None, self.max_context):
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
-        return replace(self, attention=request.attention, variant=request.variant, replay=request.replay,
+        return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth") if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":
-        """The page's options ({"attention": "tiled", ...}); unknown names are refused."""
+        """The page's options as JSON ({"attention": "tiled", ...}); unknown names are refused."""
         try:
             values = json.loads(text or "{}")
         except ValueError as err:
             raise ModelError(f"bad run options: {err}") from err
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunOptions":
+        """The page's options, already decoded; unknown names are refused."""
+        if not isinstance(values, dict):
+            raise ModelError(f"bad run options: {values!r} is not an object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -106,4 +117,6 @@ class RunOptions:
         return cls(**values).check()
 
     def to_json(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        values["layout"] = None if self.layout is None else str(self.layout)
+        return values

@@ -5,7 +5,7 @@ and SmolLM2's D=64 with 3/9. Per (shape, context) it times TVM's tiled kernel an
 sharded-family kernel set the artifact holds for the shape (the served artifact's `shards`,
 `shards_group` and `subgroup`; a `--set sweep` build adds subgroup kernels of other row lanes and
 unrolls), each over the whole context (S = 1, one dispatch) and split into each S of --splits
-(split kernel + merge, timed together), then `auto`: what model_glue.attention.pick_sharded_variant
+(split kernel + merge, timed together), then `auto`: what model_glue.attention.pick_layout
 picks on this adapter.
 
 Times are GPU timestamps around each call where the adapter has timestamp-query: the fastest of 3
@@ -29,10 +29,9 @@ import numpy as np
 from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
 from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
-from model_glue.attention import AttentionChoice, pick_sharded_variant, pick_subgroup_build
-from contract.kernels import AttentionSpec, attention_kernel_name, subgroup_tag
+from model_glue.attention import AttentionKernels, pick_layout, resolve_attention_kernels, runnable_builds
 from contract.model import BENCH_SHAPES, MODEL_CONFIGS
-from model_glue.webgpu import WgpuDevice
+from model_glue.webgpu_native import WgpuDevice
 
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
 STREAM_GROUP_WORDS = 256 * 16
@@ -93,7 +92,7 @@ async def ramp_clocks(device, library, seconds: float = 0.2) -> None:
 
 async def dispatch_floor(device, library, iters: int, method: str) -> tuple[float, float]:
     """Seconds of a timed pass holding one, and two, dispatches of one workgroup that reads 16 KiB:
-    what any decode-attention call costs at least (the split variants make two dispatches)."""
+    what any decode-attention call costs at least (a split call makes two dispatches)."""
     kernel = await library.kernel("stream_read")
     x, partial = device.storage_buffer(STREAM_GROUP_WORDS * 4), device.storage_buffer(256 * 4)
     bound = kernel.bind({"x": x, "partial": partial}, {"num_groups": 1})
@@ -122,31 +121,12 @@ async def stream_bandwidth(device, library, iters: int, method: str) -> float:
     return STREAM_WORDS * 4 / seconds / 1e9
 
 
-def family_kernel_sets(library, shape, dtype: str, device) -> tuple[dict[str, tuple[str, str]], str | None]:
-    """label -> (whole-context kernel, split kernel) of every sharded-family set for the shape that
-    this device runs: the served variants by name (subgroup builds by their tag, e.g. subgroup_l16s32),
-    and any sweep builds (a name suffix such as _u4_i128); and the label of the subgroup build the
-    runtime would pick (None: none runs here)."""
-    sets, served_builds = {}, {}
-    for name in library.names(kind="decode_attention", nest="sharded", split=False, dtype=dtype, sliding_window=False,
-                              head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads):
-        meta = library.specs[name].meta
-        tag = None
-        if meta["variant"] == "subgroup":
-            build = (meta["row_lanes"], meta["subgroup_size"])
-            if pick_subgroup_build([build], device.subgroup_min_size, device.subgroup_max_size) is None:
-                continue  # this device's subgroups do not fit the build
-            tag = subgroup_tag(*build)
-        base = attention_kernel_name(meta["variant"], shape, dtype, tag=tag)
-        suffix = name[len(base):]
-        split = attention_kernel_name(meta["variant"], shape, dtype, split=True, tag=tag) + suffix
-        if split in library.specs:
-            label = meta["variant"] + (f"_{tag}" if tag else "") + suffix
-            sets[label] = (name, split)
-            if tag and not suffix:
-                served_builds[build] = label
-    build = pick_subgroup_build(served_builds, device.subgroup_min_size, device.subgroup_max_size)
-    return sets, served_builds.get(build)
+def family_kernel_sets(library, shape, dtype: str, device) -> tuple[dict[str, tuple[str, str]], AttentionKernels]:
+    """label -> (whole-context kernel, split kernel) of every sharded-layout build for the shape that
+    this device runs, served or from the sweep (labels are the manifest's build names, e.g.
+    subgroup_l16s32 or subgroup_l8s32_u4_i128); and what the runtime runs (resolve_attention_kernels)."""
+    sets = {b.build: (b.whole, b.split) for b in runnable_builds(library, shape, dtype, device, sweep=True)}
+    return sets, resolve_attention_kernels(library, shape, dtype, device)
 
 
 async def run_attention_bench(args) -> dict:
@@ -167,26 +147,22 @@ async def run_attention_bench(args) -> dict:
     for shape in SHAPES:
         if shape.head_dim not in args.head_dims:
             continue
-        sets, subgroup_label = family_kernel_sets(library, shape, dtype, device)
-        merge = await library.kernel(AttentionSpec("merge", shape, dtype).name)
-        if subgroup_label is not None:  # what the runtime runs as "subgroup"
-            sets["subgroup"] = sets[subgroup_label]
+        sets, served = family_kernel_sets(library, shape, dtype, device)
+        merge = await library.kernel(served.merge)
         for context in args.contexts:
             inputs = random_paged_inputs(rng, [context], shape.num_kv_heads, shape.num_qo_heads, shape.head_dim)
             inputs.update(q=as_dtype(inputs["q"], dtype), pages=as_dtype(inputs["pages"], dtype))  # what the kernels read
             ref_out, _ = decode_attention_f64(inputs)
             # Every configuration: (label, kernels, S). Each is checked against the reference first
             # (readbacks leave the GPU idle), then all are timed back to back on ramped-up clocks.
-            configs = [("tiled", await library.kernel(attention_kernel_name("tiled", shape, dtype)), 1)]
+            configs = [("tiled", await library.kernel(served.tiled), 1)]
             for label, (whole, split) in sets.items():
-                if label != "subgroup":  # timed under its lanes' label
-                    configs.append((label, await library.kernel(whole), 1))
-                    configs += [(label, (await library.kernel(split), merge), n) for n in args.splits if n > 1]
-            choice: AttentionChoice = pick_sharded_variant([context], shape, is_cpu=device.is_cpu,
-                                                           subgroups=subgroup_label is not None, available=set(sets))
-            auto_label = subgroup_label if choice.variant == "subgroup" else choice.variant
+                configs.append((label, await library.kernel(whole), 1))
+                configs += [(label, (await library.kernel(split), merge), n) for n in args.splits if n > 1]
+            choice = pick_layout([context], shape, available=served.layouts, is_cpu=device.is_cpu)
+            auto_label = served.layouts[choice.layout].build  # what the runtime runs, by its build's name
             if not any(label == auto_label and n == choice.num_splits for label, _, n in configs):  # an S outside --splits
-                whole, split = sets[choice.variant]
+                whole, split = sets[auto_label]
                 configs.append((auto_label, (await library.kernel(split), merge) if choice.split
                                 else await library.kernel(whole), choice.num_splits))
             calls, wrong, good = {}, [], []

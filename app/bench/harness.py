@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from model_glue.attention import attention_call, attention_dispatches, split_workspace_bytes
-from contract.kernels import MAX_SPLITS, PAGE_SIZE
+from contract.attention import MAX_SPLITS
+from contract.kernels import PAGE_SIZE
 from contract.model import AttentionShape
 
 
@@ -19,7 +20,7 @@ def as_dtype(array, dtype: str):
 class DecodeCall:
     """One paged decode-attention call bound to GPU buffers; dispatch it as often as you like.
 
-    `kernel` is one nest's kernel, or, for a split variant, (partial, merge); `set_splits(S)`
+    `kernel` is one nest's kernel, or, for a split call, (split kernel, merge); `set_splits(S)`
     re-cuts the context without rebinding.
     """
 

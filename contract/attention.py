@@ -1,0 +1,131 @@
+"""The decode-attention registry: the two nests, the sharded family's layouts in one table, and the
+typed choices a step makes between them.
+
+Words, each with one meaning:
+- **nest**: "tiled" (TVM's kernel) or "sharded" (the family); the comparison mode's axis.
+- **layout**: one row of `LAYOUTS`, a way the sharded family lays threads over K/V rows.
+- **build**: one compiled form of a layout (the subgroup layout has one per lanes-per-row and
+  subgroup size, named by its `tag`).
+- **splits** (S): how many parts a call cuts the context into; S > 1 runs the layout's split
+  kernel and the merge.
+
+A layout row names everything the build and the host need: the kernel module that builds it
+(`builder`, and `builds`, which lists its builds for a shape: an empty list where the shape does not
+fit), whether it needs WebGPU subgroups, how many query heads a workgroup serves (which sets the grid
+the split rule fills), and where the host's rule ranks it on GPUs and CPU rasterizers. A new layout is
+one kernel module, one row here and, only if the generic rule does not fit it, one picker rule in
+model_glue.attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SPLITS = 128  # the most splits the host picks (the workspace is sized for it)
+NESTS = ("tiled", "sharded")
+NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets model_glue.attention.pick_decode_nest choose
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    builder: str  # "module:function" giving the PrimFunc (kernels/, build side only)
+    builds: str  # "module:function": (layout name, shape, **build_params) -> [LayoutBuild] (empty: no fit)
+    needs_subgroups: bool  # built with WebGPU subgroup operations; runs where a build fits the subgroups
+    group_per_workgroup: bool  # a workgroup serves a whole GQA group (B*H_kv*S workgroups), else one head (B*H_qo*S)
+    gpu_rank: int | None  # the rule on GPUs takes the lowest rank this device runs; None: only when forced
+    cpu_rank: int | None  # the same on CPU rasterizers (one split there)
+    # The split rule on GPUs: S doubles (powers of two) while some tier (most workgroups, fewest K/V
+    # rows a split, fewest K/V elements a split: rows x head_dim) admits it.
+    split_tiers: tuple[tuple[int, int, int], ...] = ()
+    summary: str = ""
+
+
+# The ranks and tiers come from sweeps on an NVIDIA H200 and on lavapipe (docs/benchmarks.md, "Choosing
+# S"). A split pays while the GPU has idle SMs and costs a merge. "subgroup" reads each K/V row once per
+# GQA group and won everywhere its subgroups fit. Up to 128 workgroups while a split keeps 128 rows;
+# long contexts go on to 256 while a split keeps 512 rows and 65,536 K/V elements (SmolLM2's 3 KV heads
+# of 64 dims at 32,768 tokens: S = 32 at 24.8 us beat S = 64, 512 rows of 64 dims, at 28.4 us; D=256
+# with 4 KV heads kept S = 64, 55.1 us, the sweep's best).
+# Without subgroups, "shards" on GPUs; a CPU rasterizer has no idle SMs to fill and prefers a whole GQA
+# group per workgroup ("shards_group": each K/V row read once per group) where the group fits.
+LAYOUTS = (
+    Layout("shards", "kernels.decode_attention_sharded:decode_attention_sharded",
+           "kernels.decode_attention_sharded:layout_builds", needs_subgroups=False, group_per_workgroup=False,
+           gpu_rank=1, cpu_rank=2, split_tiers=((128, 64, 0),),
+           summary="the seed's layout: shards of lanes own whole K/V rows, one query head per workgroup"),
+    Layout("shards_group", "kernels.decode_attention_sharded:decode_attention_sharded",
+           "kernels.decode_attention_sharded:layout_builds", needs_subgroups=False, group_per_workgroup=True,
+           gpu_rank=None, cpu_rank=1, split_tiers=((128, 64, 0),),
+           summary="the shards layout with a whole GQA group per workgroup (where the group fits)"),
+    Layout("subgroup", "kernels.decode_attention_subgroup:decode_attention_subgroup",
+           "kernels.decode_attention_subgroup:layout_builds", needs_subgroups=True, group_per_workgroup=True,
+           gpu_rank=0, cpu_rank=0, split_tiers=((128, 128, 0), (256, 512, 65536)),
+           summary="K/V rows across subgroups, head dims across a subgroup's lanes, a GQA group per workgroup"),
+)
+LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}
+LAYOUT_NAMES = tuple(LAYOUTS_BY_NAME)
+
+
+@dataclass(frozen=True)
+class LayoutBuild:
+    """One build of a layout for a shape: its name tag (None for a layout's only build), the builder's
+    keyword arguments, and what the manifest records of it (the host picks a build by these)."""
+
+    tag: str | None
+    options: dict = field(hash=False)
+    meta: dict = field(hash=False)
+
+
+def subgroup_tag(row_lanes: int, subgroup_size: int | None = None) -> str:
+    """A subgroup-layout build's tag: its lanes per K/V row, and the exact subgroup size it is built
+    for, if any (kernels.decode_attention_subgroup)."""
+    return f"l{row_lanes}" + (f"s{subgroup_size}" if subgroup_size else "")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """A layout and its split count, e.g. forced by a benchmark or a test as "shards:8"."""
+
+    layout: str
+    num_splits: int = 1
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS_BY_NAME:
+            raise ValueError(f"the sharded layout must be one of {LAYOUT_NAMES}, got {self.layout!r}")
+        if not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"the number of splits must be in 1..{MAX_SPLITS}, got {self.num_splits!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "LayoutChoice":
+        """'subgroup', 'shards:8' or 'shards_group:4'."""
+        layout, _, splits = text.partition(":")
+        try:
+            num_splits = int(splits or 1)
+        except ValueError:
+            raise ValueError(f"the number of splits must be a whole number, got {splits!r}") from None
+        return cls(layout, num_splits)
+
+    def __str__(self) -> str:
+        return f"{self.layout}:{self.num_splits}" if self.num_splits > 1 else self.layout
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The attention kernels of one pass: the causal "prefill" kernel, the "tiled" nest, or the
+    "sharded" nest in a layout, over the whole context (S = 1: one dispatch) or cut into S splits
+    (the layout's split kernel, then the merge)."""
+
+    nest: str  # "prefill", "tiled" or "sharded"
+    layout: str | None = None  # a LAYOUTS name, for "sharded"
+    num_splits: int = 1
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    def __str__(self) -> str:
+        """What the overlay and the export show: "tiled", "prefill", "subgroup", "shards S=8"."""
+        if self.nest != "sharded":
+            return self.nest
+        return f"{self.layout} S={self.num_splits}" if self.split else self.layout
