@@ -10,7 +10,8 @@ from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
 from model_glue.generate import Sampling
 from model_glue.options import RunOptions
-from model_glue.webgpu import DeviceLostError, WebGPUUnavailable, WgpuDevice
+from model_glue.webgpu import DeviceLostError, WebGPUUnavailable
+from model_glue.webgpu_native import WgpuDevice
 
 
 def format_stats_table(stats: list[dict]) -> str:
@@ -19,7 +20,7 @@ def format_stats_table(stats: list[dict]) -> str:
     for i, s in enumerate(stats):
         attn = "-" if s["attention_ms"] is None else f"{s['attention_ms']:.3f}"
         gpu = "-" if s["gpu_ms"] is None else f"{s['gpu_ms']:.3f}"
-        lines.append(f"{i:>4} {s['kind']:>7} {s['tokens']:>6} {s['context']:>7} {s['variant']:>17} {attn:>8} {gpu:>7} "
+        lines.append(f"{i:>4} {s['kind']:>7} {s['tokens']:>6} {s['context']:>7} {s['kernel']:>17} {attn:>8} {gpu:>7} "
                      f"{s['encode_ms']:>9.3f} {s['step_ms']:>8.2f} {s['dispatches']:>10}")
     return "\n".join(lines)
 

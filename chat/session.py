@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from contract.kernels import NESTS
+from contract.attention import NESTS
 from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
 from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
@@ -99,7 +99,7 @@ class ChatSession:
             if not first_token_at:
                 first_token_at.append(time.perf_counter())
             if on_step is not None:
-                on_step(asdict(self.model.stats[-1]))
+                on_step(self.model.stats[-1].to_dict())
             piece = decoder.push(token_id)
             if piece:
                 pieces.append(piece)
@@ -117,7 +117,7 @@ class ChatSession:
         ttft_ms = (first_token_at[0] - started) * 1e3 if first_token_at else None
         return {"text": "".join(pieces), "token_ids": gen.token_ids, "prompt_tokens": len(ids),
                 "stop_reason": gen.stop_reason, "seed": gen.seed, "speed": speed_figures(gen, ttft_ms),
-                "stats": [asdict(s) for s in gen.stats]}
+                "stats": [s.to_dict() for s in gen.stats]}
 
     async def compare(self, user_text: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                       options: RunOptions | None = None, on_progress=None) -> dict:

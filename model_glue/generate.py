@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from contract.kernels import MAX_TOP_K
 from model_glue.errors import ModelError
-from model_glue.model import LlamaModel, StepStats
+from model_glue.model import LlamaModel
+from model_glue.step_stats import StepStats
 from model_glue.options import RunOptions
 
 STOPPED_BY_USER = "stopped by user"
@@ -80,7 +81,7 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
                    forced_ids=None, on_token=None, on_prefill=None, should_stop=lambda: False) -> Generation:
     """Prefill the prompt (in chunks), then one decode step per token, each token chosen by
     `sampling` (greedy by default; a seeded sampling run is reproducible). `options` (default: the
-    model's) say how the passes run: the attention nest, a forced variant, replay, chunk size.
+    model's) say how the passes run: the attention nest, a forced layout, replay, chunk size.
 
     With `reuse_cache`, the cache keeps its longest prefix shared with `prompt_ids` and only the
     rest is prefilled (a chat's next turn); at least the last prompt token always runs, since its

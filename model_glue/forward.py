@@ -1,0 +1,163 @@
+"""The forward pass of a Llama-shaped model as a fixed sequence of TVM-built kernel dispatches, read
+top to bottom like llama2.c's run.c (`encode_forward`), and `PassEncoder`, through which every
+dispatch goes: bound once through a plan, recorded for replay, bracketed by timestamps.
+
+No numpy and no TVM: the same code runs in Pyodide and natively.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from contract.attention import AttentionChoice
+from contract.kernels import SPLIT_WORKSPACE
+from model_glue.attention import attention_call, attention_dispatches
+from model_glue.kernel import DispatchPlan
+from model_glue.step_stats import PassStamps
+
+
+def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
+    """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
+    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler.
+    Only these are compiled."""
+    matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
+        ["qkv", "o_residual", "gate_up", "down_residual"]
+    apart = [] if fold_norms else ["rms_norm", "swiglu"]
+    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *apart,
+            "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
+
+
+class PassEncoder:
+    """Encodes one pass into a Batch. A decode pass goes through its DispatchPlan (bound once, the
+    attention and sampler values refreshed per step) and onto a tape that later steps replay; a
+    prefill pass goes through a plan of its own whose every value is per step (bound once, the
+    uniforms rewritten for each pass's n). Without a plan each dispatch is bound for itself.
+    `timed(begin, end)` brackets dispatches with the pass's timestamp queries (none on adapters
+    without timestamp-query)."""
+
+    def __init__(self, batch, stamps, plan: DispatchPlan | None, every_value_per_step: bool = False):
+        self.batch, self.stamps, self.plan = batch, stamps, plan
+        self.every_value_per_step = every_value_per_step  # a prefill pass: n changes every kernel's values
+        if plan is not None:
+            plan.start()
+
+    def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
+        if self.plan is not None:
+            self.plan.dispatch(self.batch, kernel, buffers, values, per_step=per_step or self.every_value_per_step)
+            return
+        bound = kernel.bind(buffers, values)
+        bound.dispatch(self.batch)
+        bound.release_after(self.batch)
+
+    @contextmanager
+    def timed(self, begin: int | None, end: int | None):
+        if self.stamps is None:
+            yield
+            return
+        with self.batch.timed((self.stamps, begin, end)):
+            yield
+
+
+# -- attention calls ------------------------------------------------------------------------------------
+def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
+    """Buffers and values of one layer's attention (the values are the same in every layer)."""
+    c, buf = m.config, m.buffers
+    if choice.nest == "prefill":  # the pass's n tokens after the kv.length - n cached before them
+        return ({"q": buf["q"], "pages": m.kv.layers[layer], "page_ids": buf["page_ids"], "output": buf["attn"]},
+                {"n": n, "num_pages": m.kv.num_pages, "used_pages": nnz_pages, "start": m.kv.length - n,
+                 "sm_scale": c.head_dim ** -0.5})
+    # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
+    # The page table grows with the context: attention's values change every step.
+    return attention_call(
+        q=buf["q"], pages=m.kv.layers[layer], page_table_indptr=buf["indptr"],
+        page_table_values=buf["page_ids"], length_info=buf["last_len"], k_rope_pos_offset=buf["rope_offsets"],
+        q_rope_position=buf["rope_offsets"], output=buf["attn"], lse=buf["lse"], batch=n, nnz_pages=nnz_pages,
+        max_num_pages=m.kv.num_pages, sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
+        workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
+
+
+def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> list:
+    """(kernel, values) of each kernel of a decode pass whose values change per step: attention
+    (the context grows) and the sampler (a new draw)."""
+    buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
+    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(m.attention_kernels(choice), buffers, values)]
+    if sampling is not None and not sampling.greedy:
+        pairs.append((m.kernels["sample"], sampling.kernel_values(draw)))
+    return pairs
+
+
+# -- the forward pass -------------------------------------------------------------------------------------
+def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None) -> None:
+    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors)."""
+    w = m.weights
+    buffers = {"x": x, "w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"], "y": y}
+    if norm is not None:
+        buffers["norm"] = w[norm]
+    if resid is not None:
+        buffers["resid"] = resid
+    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n})
+
+
+def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> None:
+    """norm(x) @ W^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
+    if m.run.fold_norms:
+        _matmul(m, enc, f"norm_{role}", n, weight, x, y, norm=norm)
+    else:
+        normed = m.buffers["normed"]
+        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed}, {"n": n})
+        _matmul(m, enc, role, n, weight, normed, y)
+
+
+def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str) -> None:
+    """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels."""
+    if m.run.fold_norms:
+        _matmul(m, enc, "norm_gate_up_swiglu", n, weight, x, h, norm=norm)
+    else:
+        gate_up = m.buffers["gate_up"]
+        _normed_matmul(m, enc, "gate_up", n, weight, x, gate_up, norm)
+        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, {"n": n})
+
+
+def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pages: int, sampling,
+                   draw: float) -> None:
+    """The whole forward pass of n tokens of model `m` (model_glue.model.LlamaModel) as kernel dispatches."""
+    c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
+    attention = m.attention_kernels(choice)
+    stamps = PassStamps(c.n_layers)
+    x, x_mid = buf["x_a"], buf["x_b"]
+    with enc.timed(stamps.pass_begin, None):
+        # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
+        enc.run(k["embed"], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
+                             "scale": w["embed.scale"], "out": x}, {"n": n})
+    for layer in range(c.n_layers):
+        p = f"layers.{layer}"
+        # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
+        _normed_matmul(m, enc, "qkv", n, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
+        enc.run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
+                                   "pages": m.kv.layers[layer], "q": buf["q"]},
+                {"n": n, "num_pages": m.kv.num_pages})
+        attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
+        with enc.timed(*stamps.attention(layer)):
+            for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
+                enc.run(kernel, kernel_buffers, values, per_step=True)
+        _matmul(m, enc, "o_residual", n, f"{p}.o", buf["attn"], x_mid, resid=x)
+        # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
+        _swiglu_ffn(m, enc, n, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm")
+        _matmul(m, enc, "down_residual", n, f"{p}.down", buf["ffn"], x, resid=x_mid)
+    # head: only the last token's logits are needed (a decode pass's x is that token already)
+    last = x
+    if n > 1:
+        enc.batch.copy(x, (n - 1) * c.dim * m.esize, buf["last"], 0, c.dim * m.esize)
+        last = buf["last"]
+    head = {"w": w["embed.q8"], "scale": w["embed.scale"], "y": buf["logits"]}  # the tied embedding, q8
+    with enc.timed(None, stamps.pass_end):
+        if m.run.fold_norms:
+            enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, {"n": 1})
+        else:
+            enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]}, {"n": 1})
+            enc.run(k["lm_head"], {"x": buf["normed"], **head}, {"n": 1})
+        if sampling is None or sampling.greedy:
+            enc.run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+        else:  # the draw changes every step
+            enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]}, sampling.kernel_values(draw),
+                    per_step=True)
