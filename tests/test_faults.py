@@ -17,7 +17,8 @@ from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
 from model_glue.generate import STOPPED_IN_PREFILL, generate
 from model_glue.options import RunOptions
-from model_glue.webgpu import AdapterLimitError, DeviceLostError, WgpuDevice
+from model_glue.webgpu import AdapterLimitError, DeviceLostError
+from model_glue.webgpu_native import WgpuDevice
 
 TINY_CHAT = __import__("conftest").STATIC / "artifacts" / "tiny_chat"
 

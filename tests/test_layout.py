@@ -19,8 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PACKAGES = ("contract", "model_glue", "chat")
 RUN_SIDE = sorted(p for package in RUN_PACKAGES for p in (ROOT / package).glob("*.py"))
-# The seam reaches the browser's WebGPU or wgpu-py; the artifact reader fetches over HTTP in the page.
-BACKENDS = {"webgpu.py": {"js", "pyodide", "wgpu"}, "artifact.py": {"pyodide"}}
+# The seam's backends reach the browser's WebGPU or wgpu-py (model_glue/webgpu.py, the neutral part,
+# neither); the artifact reader fetches over HTTP in the page.
+BACKENDS = {"webgpu_browser.py": {"js", "pyodide"}, "webgpu_native.py": {"wgpu"}, "artifact.py": {"pyodide"}}
 BUILD_SIDE = sorted((ROOT / "kernels").glob("*.py")) + sorted((ROOT / "convert").glob("*.py"))
 WHEEL = ROOT / "static" / "pyodide" / "sharded_decode_demo-0.1.0-py3-none-any.whl"
 
@@ -85,9 +86,10 @@ def test_the_contract_is_the_one_home_of_shared_constants():
 
 def test_the_page_copies_no_python_constant():
     """static/*.js gets the runtime's constants (the 256-token switch, stop reasons, defaults) from
-    chat.page.chat_info and reaches into no Python object: only the page module's functions."""
+    static/page_api.js, which chat/api.py generates, and reaches into no Python object: only the page
+    module's functions."""
     for path in sorted((ROOT / "static").glob("*.js")):
-        if path.name == "weights_cache.js":  # fetches bytes and hashes them (SHA-256): no Python there
+        if path.name in ("weights_cache.js", "page_api.js"):  # SHA-256, no Python; generated from chat/api.py
             continue
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"\b256\b|stopped during prefill|\.model\.|js_device|\.device\.", text), path.name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from model_glue.artifact import KernelLibrary
 from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from model_glue.webgpu import WgpuDevice
+from model_glue.webgpu_native import WgpuDevice
 
 
 async def bench_inputs(args, tokenizer: bool = False):
