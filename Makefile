@@ -10,6 +10,7 @@ PYODIDE_VERSION := 314.0.7
 WHEEL := static/pyodide/sharded_decode_demo-0.1.0-py3-none-any.whl
 SOURCES := $(shell find contract model_glue chat -name "*.py") pyproject.toml
 CONTRACT := $(wildcard contract/*.py)
+PAGE_API := static/page_api.js
 export XDG_RUNTIME_DIR ?= /tmp
 export PYTHONUNBUFFERED := 1
 
@@ -32,7 +33,7 @@ TINY_CHAT := static/artifacts/tiny_chat/manifest.json
 
 # The last step checks the served tree itself (wheel registered, manifests present) rather than
 # trusting timestamps, and names whatever is missing.
-setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json \
+setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json $(PAGE_API) \
        static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT)
 	@$(PY) -m app check
 
@@ -83,6 +84,12 @@ static/pyodide/pyodide-lock.json: $(SOURCES) static/pyodide/pyodide.mjs $(VENV)/
 	  --input ../../node_modules/pyodide/pyodide-lock.json --output pyodide-lock.json.tmp \
 	  --base-path . $(notdir $(WHEEL))
 	mv static/pyodide/pyodide-lock.json.tmp $@
+
+# The page-to-Python boundary (chat/api.py: the worker's calls, the step fields, the runtime's
+# constants) as the ES module the page imports; written only by this rule (`python -m app check`
+# says when it no longer matches chat/api.py, whatever the mtimes).
+$(PAGE_API): $(SOURCES) $(VENV)/.installed
+	$(PY) -m app page-api --out $@
 
 static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(CONTRACT) $(VENV)/.installed
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"

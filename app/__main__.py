@@ -1,4 +1,4 @@
-"""Command line: `python -m app build | convert | check | serve | generate | bench`."""
+"""Command line: `python -m app build | convert | page-api | check | serve | generate | bench`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from contract.kernels import MAX_TOP_K, NEST_CHOICES
+from contract.attention import NEST_CHOICES
+from contract.kernels import MAX_TOP_K
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
@@ -26,6 +27,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
+    from app.bench.page import CPU_LONG_CHARS, DEFAULT_CHROMIUM, GPU_FLAGS  # standard library only
+
     parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
                      help="activation/KV dtype (auto: float16 where the adapter has shader-f16)")
     gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
     gen.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+
+    api = sub.add_parser("page-api", help="chat/api.py (the worker's calls, step fields, constants) -> static/page_api.js")
+    api.add_argument("--out", type=Path, default=STATIC / "page_api.js")
 
     check = sub.add_parser("check", help="check that the served tree is complete (the last step of make setup)")
     check.add_argument("--root", type=Path, default=STATIC)
@@ -102,11 +108,40 @@ def main(argv=None) -> int:
     pre.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     pre.add_argument("--json", type=Path)
 
-    page = bench_sub.add_parser("page", help="host time to encode a decode step in the page (Chromium, Pyodide)")
+    page = bench_sub.add_parser(
+        "page", help="the page's figures in Chromium: Ready, chat turns, the comparison, encode time per step",
+        description="The page in Debian's Chromium (Playwright, headless), driven as a user does: time to Ready "
+                    "(first visit, then from the browser's cache), a short prompt and the long document as chat "
+                    "turns (TTFT, decode tok/s, median step and GPU ms), Compare nests on the long document "
+                    "(identical text or the first divergence, tiled/sharded attention), the host's time to encode "
+                    "a decode step. Without --gpu WebGPU runs on SwiftShader (the CPU): use --model tiny_chat.")
     page.add_argument("--model", default="smollm2", choices=["smollm2", "tiny_chat"])
-    page.add_argument("--steps", type=int, default=8, help="decode steps per mode")
+    # NVIDIA's f16 flag is chat.page.NVIDIA_F16_FLAG (not imported here: `app build` needs no run side;
+    # tests/test_page_boundary.py checks this help names it).
+    f16_flag = "--enable-dawn-features=vulkan_enable_f16_on_nvidia"
+    page.add_argument("--gpu", action="store_true",
+                      help="Chromium on the machine's GPU: " + " ".join(GPU_FLAGS) + f", and NVIDIA's f16 flag "
+                           f"{f16_flag} (Dawn blocklists shader-f16 on NVIDIA, crbug.com/42251215; this lifts it)")
+    page.add_argument("--no-f16-flag", action="store_true",
+                      help=f"with --gpu, leave out {f16_flag} (NVIDIA then runs the f32 kernels)")
+    page.add_argument("--chromium", help=f"the Chromium to run (default: chromium on PATH, else {DEFAULT_CHROMIUM})")
+    page.add_argument("--short-tokens", type=int, help="tokens of the short prompt's reply (default 32 with --gpu, else 4)")
+    page.add_argument("--long-tokens", type=int, help="tokens of the long document's reply (default 64 with --gpu, else 4)")
+    page.add_argument("--compare-tokens", type=int, help="tokens per nest in the comparison (default 64 with --gpu, else 4)")
+    page.add_argument("--long-chars", type=int,
+                      help=f"cut the long document at a space before N characters (0: whole; default: whole with "
+                           f"--gpu, else {CPU_LONG_CHARS}, just past the switch)")
+    page.add_argument("--steps", type=int,
+                      help="decode steps per mode of the encode benchmark (Python vs JS replay; 0: skip it; "
+                           "default 8 with --gpu, else 4)")
+    page.add_argument("--reload", action=argparse.BooleanOptionalAction,
+                      help="a second visit: time to Ready with the weights in the browser's cache (default: with --gpu)")
+    page.add_argument("--lab", action="store_true",
+                      help="run the page's kernel lab instead (?model=off): tiled vs sharded attention per layer")
+    page.add_argument("--lab-contexts", type=_int_list, help="the lab's contexts (default: the page's for the adapter)")
+    page.add_argument("--lab-iters", type=int, help="the lab's timed calls per row (default: the page's)")
     page.add_argument("--root", type=Path, default=STATIC)
-    page.add_argument("--json", type=Path)
+    page.add_argument("--json", type=Path, help="also write every figure as JSON (with --lab: the lab's export)")
 
     chat = bench_sub.add_parser("chat", help="a multi-turn conversation: TTFT and tokens/s with and without KV reuse")
     chat.add_argument("--turns", type=int, default=3, choices=range(1, 6), metavar="1..5")
@@ -119,6 +154,8 @@ def main(argv=None) -> int:
     chat.add_argument("--json", type=Path)
 
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what == "page" and args.no_f16_flag and not args.gpu:
+        parser.error("--no-f16-flag goes with --gpu")
     if args.command == "build":
         from kernels.build import build_artifact
         from kernels.catalog import all_recipes, sweep_recipes, test_recipes
@@ -147,6 +184,11 @@ def main(argv=None) -> int:
         from app.generate import run_generate
 
         return asyncio.run(run_generate(args))
+    elif args.command == "page-api":
+        from app.served_tree import write_page_api
+
+        write_page_api(args.out)
+        print(f"wrote {args.out}")
     elif args.command == "check":
         from app.served_tree import check_served_tree
 

@@ -17,6 +17,7 @@ PROJECT_PACKAGE = "sharded-decode-demo"  # the name the page passes to pyodide.l
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip")
 PAGE_FILES = ("index.html", "main.js", "charts.js", "weights_cache.js", "export.js", "replay.js", "style.css",
               "favicon.svg", "long_document.txt")
+PAGE_API = "page_api.js"  # generated from chat/api.py (`python -m app page-api`, a make rule)
 MODELS = ("smollm2", "tiny_chat")
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -72,10 +73,32 @@ def _check_model(folder: Path, problems: list[str]) -> None:
                     if not (folder / name).exists())
 
 
+def write_page_api(path: Path) -> None:
+    """chat/api.py as the page's ES module, written to a temporary name and renamed (never half a file)."""
+    from chat.api import page_api_js
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(page_api_js(), encoding="utf-8")
+    partial.replace(path)
+
+
+def _check_page_api(static: Path, problems: list[str]) -> None:
+    from chat.api import page_api_js
+
+    path = static / PAGE_API
+    fix = "run `python -m app page-api`; `make setup` does"
+    if not path.exists():
+        problems.append(f"{path} is missing ({fix})")
+    elif path.read_text(encoding="utf-8") != page_api_js():
+        problems.append(f"{path} does not match chat/api.py ({fix})")
+
+
 def check_served_tree(static: Path) -> list[str]:
     """Every problem found in the served tree, as a sentence naming the file and the fix."""
     static = Path(static)
     problems = [f"{static / name} is missing" for name in PAGE_FILES if not (static / name).exists()]
+    _check_page_api(static, problems)
     pyodide = static / "pyodide"
     problems += [f"{pyodide / name} is missing (run `make setup`; Pyodide comes from npm)"
                  for name in PYODIDE_FILES if not (pyodide / name).exists()]

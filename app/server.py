@@ -2,7 +2,9 @@
 
 Loopback by default, explicit MIME types for what Pyodide fetches, no directory listings, and
 nothing outside the served folder (`..` in any spelling is refused before the filesystem is
-touched).
+touched). The tests and the page benchmark also serve the test hooks (`hooks=True`: app/hooks/
+under /hooks/, which the page's worker imports when the URL asks, e.g. ?hooks=python); `app serve`
+never does, so the served page has no way to run code it was sent.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+
+HOOKS_DIR = Path(__file__).resolve().parent / "hooks"  # test hooks: served only with hooks=True
+# Where the worker (at the served root) imports them from: chat.api.HOOKS_PATH (not imported: this
+# server runs without the run side; tests/test_page_boundary.py checks they agree).
+HOOKS_URL = "/hooks/"
 
 MIME_TYPES = {
     ".wasm": "application/wasm",
@@ -48,6 +55,14 @@ SECURITY_HEADERS = {
 
 class StaticHandler(SimpleHTTPRequestHandler):
     extensions_map = {**SimpleHTTPRequestHandler.extensions_map, **MIME_TYPES}
+    hooks: Path | None = None  # the folder served at HOOKS_URL, if any
+
+    def translate_path(self, path):
+        # send_head has refused `..` already; a hook is a file directly in the hooks folder
+        clean = unquote(urlsplit(path).path)
+        if self.hooks is not None and clean.startswith(HOOKS_URL) and "/" not in clean[len(HOOKS_URL):]:
+            return str(self.hooks / clean[len(HOOKS_URL):])
+        return super().translate_path(path)
 
     def send_head(self):
         path = unquote(urlsplit(self.path).path)
@@ -72,11 +87,16 @@ class StaticHandler(SimpleHTTPRequestHandler):
             super().log_message(format, *args)
 
 
-def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+class HookedHandler(StaticHandler):
+    hooks = HOOKS_DIR
+
+
+def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000, hooks: bool = False) -> ThreadingHTTPServer:
+    """The page's tree under `root`; with `hooks`, the test hooks too (tests and benchmarks only)."""
     root = Path(root).resolve()
     if not (root / "index.html").exists():
         raise FileNotFoundError(f"{root} has no index.html")
-    handler = functools.partial(StaticHandler, directory=str(root))
+    handler = functools.partial(HookedHandler if hooks else StaticHandler, directory=str(root))
     return ThreadingHTTPServer((host, port), handler)
 
 

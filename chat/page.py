@@ -1,4 +1,5 @@
-"""The Python the page runs under Pyodide: what static/main.js calls, and nothing else.
+"""The Python the page runs under Pyodide: what the worker's calls run (chat/api.py declares them:
+each call's function here, its arguments and the events it streams), and nothing else.
 
 Every function here takes and returns plain values or JSON strings, so the JS side never reaches
 into Python objects: it holds opaque handles (a Session, a ChatSession) and passes them back.
@@ -19,6 +20,7 @@ from model_glue.webgpu import DeviceLostError, open_device
 PROBE_ROWS = 8
 PROBE_WIDTH = 256
 PROBE_SCALE = 0.5
+LAB_MAX_ITERS = 200  # the kernel lab's most timed calls per row
 
 
 class Session:
@@ -118,16 +120,10 @@ async def open_chat(session: Session, base_url: str, progress, options: str, wei
 
 
 def chat_info(chat) -> str:
-    """What the page shows and needs of a loaded model (JSON): the applied options (the context the
-    KV cache really holds), the dtype, and the runtime's constants the page must not copy."""
-    from chat.session import DEFAULT_MAX_NEW_TOKENS, MAX_MESSAGE_CHARS
-    from model_glue.attention import TILED_MAX_CONTEXT
-    from model_glue.generate import STOPPED_IN_PREFILL
-
+    """What the page shows of a loaded model (JSON): the applied options (the context the KV cache
+    really holds) and the dtype. The runtime's constants reach the page through chat/api.py."""
     model = chat.model
-    return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json(),
-                       "switch_at": TILED_MAX_CONTEXT, "stopped_in_prefill": STOPPED_IN_PREFILL,
-                       "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "max_message_chars": MAX_MESSAGE_CHARS})
+    return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json()})
 
 
 # -- a chat turn ----------------------------------------------------------------------------------
@@ -147,12 +143,15 @@ def parse_request(request: str) -> dict:
     from model_glue.generate import Sampling
     from model_glue.options import RunOptions
 
-    values = json.loads(request or "{}")
+    try:
+        values = json.loads(request or "{}")
+    except ValueError as err:
+        raise ModelError(f"bad request: {err}") from err
     try:
         sampling = values.get("sampling") or {}
         seed = sampling.get("seed")
         return {"max_new_tokens": int(values["max_new_tokens"]),
-                "options": RunOptions.from_json(json.dumps(values.get("options") or {})),
+                "options": RunOptions.from_dict(values.get("options") or {}),
                 "sampling": Sampling(temperature=float(sampling.get("temperature", 0)),
                                      top_k=int(sampling.get("top_k", 40)), top_p=float(sampling.get("top_p", 1)),
                                      seed=None if seed in (None, "") else int(seed))}
@@ -188,7 +187,8 @@ async def chat_compare(chat, text: str, request: str, on_progress) -> str:
 
 
 def stop_reply(chat) -> None:
-    chat.request_stop()
+    if chat is not None:  # no model loaded (yet): nothing runs
+        chat.request_stop()
 
 
 def new_chat(chat) -> None:
@@ -224,14 +224,16 @@ async def kernel_lab(session, chat, request: str, on_row) -> str:
         iters = int(values.get("iters") or 0) or None
     except (TypeError, ValueError) as err:
         return json.dumps({"error": f"bad lab setting: {err}"})
-    if any(not 1 <= c <= max(lab.LAB_CONTEXTS) for c in contexts) or (iters is not None and not 1 <= iters <= 200):
-        return json.dumps({"error": f"contexts must be 1..{max(lab.LAB_CONTEXTS)} tokens and iterations 1..200"})
+    if any(not 1 <= c <= max(lab.LAB_CONTEXTS) for c in contexts) or (iters is not None
+                                                                     and not 1 <= iters <= LAB_MAX_ITERS):
+        return json.dumps({"error": f"contexts must be 1..{max(lab.LAB_CONTEXTS)} tokens and iterations "
+                                    f"1..{LAB_MAX_ITERS}"})
     # `chat` is the page's ChatSession, or JS null (Pyodide's JsNull) with ?model=off
     return await _as_json(lambda: lab.run_lab(session, model=getattr(chat, "model", None), contexts=contexts,
                                               iters=iters, on_row=lambda row: on_row(json.dumps(row))))
 
 
-# -- the page's benchmark (`python -m app bench page`, ../shared/tools/gpu-page) ----------------------
+# -- the page's benchmark (`python -m app bench page`) ---------------------------------------------
 async def decode_encode_benchmark(chat, steps: int, replay: bool, context: int = 1, pipeline_depth=None) -> str:
     """`steps` greedy decode steps after a prompt of `context` tokens; per step the host's encode
     time, the step's wall time and its GPU time (JSON), and decode tokens per second.

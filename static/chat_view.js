@@ -1,10 +1,11 @@
 // The chat: messages, a reply streamed in, the comparison of the two nests, New chat. Python does
-// the work in the worker (app.python, static/python.js; chat/page.py returns JSON); what streams
-// in is drawn once per animation frame.
+// the work in the worker (app.python, static/python.js; chat/page.py returns JSON; chat/api.py
+// declares each call); what streams in is drawn once per animation frame.
 import { COLORS, drawSteps } from "./charts.js";
 import { clearRuns, recordRun } from "./export.js";
 import { chatError, deviceLost, errorText } from "./faults.js";
 import { clearOverlay, drawOverlayNow, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
+import { DEFAULT_MAX_NEW_TOKENS, STOPPED_IN_PREFILL, SWITCH_AT } from "./page_api.js";
 import { $, definitionList, fmt, state } from "./ui.js";
 
 const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
@@ -48,7 +49,7 @@ export function finishReply(bubble, body, result) {
 // The request chat.page.parse_request reads: tokens to generate, run options, sampling.
 function request() {
   return JSON.stringify({
-    max_new_tokens: Number($("max-tokens").value) || state.info.default_max_new_tokens,
+    max_new_tokens: Number($("max-tokens").value) || DEFAULT_MAX_NEW_TOKENS,
     options: { attention: $("attention").value },
     sampling: { temperature: Number($("temperature").value) || 0, top_k: Number($("top-k").value),
       top_p: Number($("top-p").value), seed: $("seed").value === "" ? null : Number($("seed").value) },
@@ -113,7 +114,7 @@ async function reply(app) {
       chatError(result.error);
       return;
     }
-    if (result.stop_reason === state.info.stopped_in_prefill) {
+    if (result.stop_reason === STOPPED_IN_PREFILL) {
       userDiv.remove(); bubble.remove();
       giveBack();
       chatError("Stopped before the first token. Your message is back in the box.");
@@ -169,7 +170,7 @@ async function compareNests(app) {
       points: result.runs[nest].stats.filter((s) => s.kind === "decode" && s.attention_ms !== null)
         .map((s) => ({ x: s.context, y: s.attention_ms, nest })),
     }));
-    state.compareChart = drawSteps($("compare-chart"), series, { switchAt: state.info.switch_at });
+    state.compareChart = drawSteps($("compare-chart"), series, { switchAt: SWITCH_AT });
     showComparison(series);
     const n = state.replies.filter((r) => r.reply.startsWith("compare")).length / 2 + 1;
     for (const nest of Object.keys(result.runs)) recordRun(`compare ${n} ${nest}`, result.runs[nest]);
@@ -184,7 +185,7 @@ async function compareNests(app) {
 }
 
 function showCompareFigures(result) {
-  const forced = result.teacher_forced, past = result.past_switch, switchAt = state.info.switch_at;
+  const forced = result.teacher_forced, past = result.past_switch, switchAt = SWITCH_AT;
   const agreement = forced.steps
     ? `${(100 * forced.match_rate).toFixed(1)}% (${forced.matches} of ${forced.steps} steps: the sharded family ` +
       "fed the tiled run's tokens picks the same top-1)"

@@ -1,8 +1,9 @@
 // The per-step timings of the conversation, downloaded as CSV or JSON for analysis elsewhere.
+import { STEP_FIELDS } from "./page_api.js";
 import { $, state } from "./ui.js";
 
-export const STEP_COLUMNS = ["reply", "kind", "tokens", "context", "nest", "variant", "attention_ms", "step_ms",
-  "timing_note", "encode_ms", "gpu_ms", "dispatches", "wait_ms"];
+// The reply's label, then StepStats' fields (model_glue/step_stats.py, through chat/api.py).
+export const STEP_COLUMNS = ["reply", ...STEP_FIELDS];
 
 function csvField(value) {
   const text = value === null || value === undefined ? "" : String(value);

@@ -3,6 +3,7 @@
 import { COLORS, drawSteps } from "./charts.js";
 import { download } from "./export.js";
 import { errorText } from "./faults.js";
+import { SWITCH_AT } from "./page_api.js";
 import { $, fmt, state } from "./ui.js";
 
 const COLUMNS = ["shape", "context", "nest", "ran", "us", "step_ms", "layers", "kv_gb_s", "tiled_over_sharded",
@@ -42,7 +43,7 @@ function drawLab(rows) {
       if (points.length) series.push({ label: `${nest} ${shape}`, color: COLORS[nest], points });
     }
   }
-  state.labChart = drawSteps($("lab-chart"), series, { switchAt: state.info ? state.info.switch_at : null,
+  state.labChart = drawSteps($("lab-chart"), series, { switchAt: SWITCH_AT,
     yTitle: "attention per layer, us (GPU)" });
 }
 

@@ -8,6 +8,7 @@ import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setB
 import { exportSteps } from "./export.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
+import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
 import { cacheAvailable, cachedModels, clearCachedModels } from "./weights_cache.js";
@@ -19,7 +20,19 @@ const REQUESTED_CONTEXT = Number(params.get("context") || 4096);
 // ?model=tiny_chat loads random weights behind the same tokenizer (fast page tests on CPU WebGPU).
 const MODEL = params.get("model") || "smollm2";
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M" : `${MODEL} (random weights)`;
+// ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
+const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 watchLongTasks();
+
+// The runtime's numbers the page shows (chat/api.py, through page_api.js), never copied here.
+function showConstants() {
+  for (const el of document.querySelectorAll(".switch-at")) el.textContent = String(SWITCH_AT);
+  $("long-document").title = `a built-in text of about 1,500 tokens: past the switch at ${SWITCH_AT}`;
+  $("max-tokens").value = DEFAULT_MAX_NEW_TOKENS;
+  $("top-k").max = MAX_TOP_K;
+  $("lab-iters").max = LAB_MAX_ITERS;
+}
+showConstants();
 
 // -- the status list ------------------------------------------------------------------------------
 function step(text) {
@@ -132,7 +145,7 @@ async function reloadModel(app) {
 function exportAbout() {
   const device = state.device;
   return { model: MODEL_LABEL, adapter: device.adapter, backend: device.backend, dtype: state.info.dtype,
-    max_context: state.info.options.max_context, switch_at: state.info.switch_at };
+    max_context: state.info.options.max_context, switch_at: SWITCH_AT };
 }
 
 async function boot() {
@@ -143,11 +156,12 @@ async function boot() {
   }
   const python = new PythonWorker();
   const app = { python };
-  // For the tests and ../shared/tools/gpu-page: Python run in the worker, with `page`, `session`
-  // and `chat` in scope (the page's own code uses only python.call).
-  window.demo = { python: (code, values) => python.call("python", { code, values }) };
   python.on["device-lost"] = (message) => deviceLost(message, setBusy);
-  await python.call("boot", {}, { progress: step });
+  const booted = await python.call("boot", { hooks: HOOKS }, { progress: step });
+  // The test hooks' calls (app/hooks/), for the tests and benchmarks only: window.demo.python runs
+  // Python in the worker with `page`, `session` and `chat` in scope. The page's own code never uses them.
+  python.hooks = booted.hooks;
+  window.demo = Object.fromEntries(booted.hooks.map((name) => [name, (code, values) => python.call(name, { code, values })]));
   step("Opening WebGPU and reading the kernel manifest…");
   const device = await openSession(python);
   step("Self-test: running a TVM-built kernel…");

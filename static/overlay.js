@@ -1,5 +1,6 @@
 // The timing overlay: the last pass's figures, the reply's speed, attention per decode step.
 import { drawSteps } from "./charts.js";
+import { SWITCH_AT } from "./page_api.js";
 import { $, fmt, state } from "./ui.js";
 
 export function speedText(speed) {
@@ -15,7 +16,7 @@ export function drawOverlayChart() {
   const points = state.steps.filter((s) => s.attention_ms !== null && s.kind === "decode")
     .map((s) => ({ x: s.context, y: s.attention_ms, nest: s.nest }));
   state.overlayChart = drawSteps($("overlay-chart"), comparison || [{ label: "this chat", color: "#777", points }],
-    { switchAt: state.info.switch_at });
+    { switchAt: SWITCH_AT });
 }
 
 // A comparison ran: the chart shows its runs ([{label, color, points}], as the comparison's own chart).
@@ -57,7 +58,7 @@ function drawLastStep() {
   const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
   $("overlay-last").textContent =
-    `${stats.kind} · ctx ${stats.context} · ${stats.variant} · attn ${attn} · GPU ${gpu} · ` +
+    `${stats.kind} · ctx ${stats.context} · ${stats.kernel} · attn ${attn} · GPU ${gpu} · ` +
     `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ` +
     `waited ${stats.wait_ms.toFixed(2)} ms for the id · ${stats.dispatches} dispatches`;
   $("overlay-note").textContent = stats.timing_note || "";

@@ -1,31 +1,56 @@
 // The page's Python, in a dedicated worker: loading Pyodide, checking and uploading the weights,
 // compiling pipelines and encoding every pass happen here, so none of it can freeze the page.
 // WebGPU, fetch and the Cache API all work in a worker. The DOM stays in main.js, which talks to
-// this worker through static/python.js: a message {id, call, args} runs one of `calls` below; it
-// answers {id, kind: "done" | "error", value} and, meanwhile, events {id, kind, value} (a text
-// piece, a step's stats, a progress line). The Python handles (the Session, the ChatSession) stay
-// here; the page only ever sees JSON.
+// this worker through static/python.js: a message {id, call, args} runs one of the calls chat/api.py
+// declares (static/page_api.js, generated): its chat.page function gets the handles it names, its
+// arguments and one callback per event kind. It answers {id, kind: "done" | "error", value} and,
+// meanwhile, events {id, kind, value} (a text piece, a step's stats, a progress line). The Python
+// handles (the Session, the ChatSession) stay here; the page only ever sees JSON.
 import { loadPyodide } from "./pyodide/pyodide.mjs";
+import { CALLS, HOOKS_PATH } from "./page_api.js";
 import { replayComputePasses } from "./replay.js";
 import { loadWeights } from "./weights_cache.js";
 
 globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserDevice replays passes with
 
 let pyodide = null;
-let page = null;  // the chat.page module: every call below goes through it
+let page = null;  // the chat.page module: every call goes through it
 const handles = { session: null, chat: null };
-let pythonNamespace = null;  // the namespace of `python` calls (the tests' and tools' window.demo.python)
+const hookCalls = {};  // calls a test hook adds (boot's `hooks`); never in the served tree
 
 const post = (id, kind, value) => self.postMessage({ id, kind, value });
 
-const calls = {
-  async boot(id) {
+// A declared call: its chat.page function with the handles, the arguments and the event callbacks
+// chat/api.py names, in that order (a handle not opened yet is Python's None). An event callback
+// Python calls with several values (on_prefill(done, total)) posts them as an array.
+function runDeclared(id, call, args) {
+  const events = call.events.map((kind) => (...values) => post(id, kind, values.length === 1 ? values[0] : values));
+  return page[call.function](...call.handles.map((h) => handles[h] ?? undefined), ...call.args.map((a) => args[a]),
+    ...events);
+}
+
+// The calls chat/api.py marks `worker`: more than one chat.page function.
+const own = {
+  // Loads Pyodide and the project's wheel; then the test hooks the page asks for (`hooks`: names of
+  // modules under HOOKS_PATH, which only the tests' and the benchmarks' servers serve).
+  async boot(id, { hooks }) {
     post(id, "progress", "Loading Python (Pyodide)…");
     pyodide = await loadPyodide({ indexURL: new URL("./pyodide/", import.meta.url).href });
     post(id, "progress", "Loading the project's wheel…");
     await pyodide.loadPackage("sharded-decode-demo", { messageCallback: () => {} });
     page = pyodide.pyimport("chat.page");
-    return true;
+    for (const name of hooks || []) {
+      if (!/^[a-z_]+$/.test(name)) throw new Error(`bad hook name ${JSON.stringify(name)}`);
+      let hook;
+      try {
+        hook = await import(new URL(`./${HOOKS_PATH}${name}.js`, import.meta.url).href);
+      } catch (err) {
+        throw new Error(`the page asked for the test hook "${name}", which this server does not serve ` +
+          `(python -m app serve never does): ${err.message || err}`);
+      }
+      Object.assign(hookCalls, hook.install({ pyodide, page, handles }));
+    }
+    return { hooks: Object.keys(hookCalls) };
   },
 
   // Opens WebGPU and the kernel artifact (again after a lost device); reports the loss once.
@@ -34,9 +59,6 @@ const calls = {
     page.watch_device(handles.session, (message) => post(0, "device-lost", message));
     return page.describe_device(handles.session);
   },
-
-  selfTest: () => page.self_test(handles.session),
-  labDefaults: () => page.lab_defaults(handles.session),
 
   // Loads the model: the weights file (weights: {url, sha256, bytes}) through the browser's cache,
   // its progress as "weights" events (about one per percent), then Python. After a reload the
@@ -55,40 +77,24 @@ const calls = {
     handles.chat = chat;
     return page.chat_info(chat);
   },
-
-  reply: (id, { text, request }) => page.chat_reply(handles.chat, text, request,
-    (piece) => post(id, "text", piece), (stats) => post(id, "step", stats),
-    (done, total) => post(id, "prefill", [done, total])),
-
-  compare: (id, { text, request }) => page.chat_compare(handles.chat, text, request,
-    (nest) => post(id, "progress", nest)),
-
-  // Handled while a reply awaits the GPU: the reply stops after its current token or chunk.
-  stop: () => { if (handles.chat) page.stop_reply(handles.chat); },
-  newChat: () => page.new_chat(handles.chat),
-
-  lab: (id, { request }) => page.kernel_lab(handles.session, handles.chat || undefined, request,
-    (row) => post(id, "row", row)),
-
-  // Python source run with `page`, `session` and `chat` in scope (and `values`, converted), in one
-  // namespace kept between calls; the result comes back as plain JS. For the tests and the GPU
-  // tools, which used to reach into the page's Pyodide directly.
-  async python(id, { code, values }) {
-    pythonNamespace = pythonNamespace || pyodide.globals.get("dict")();
-    pythonNamespace.set("page", page);
-    pythonNamespace.set("session", handles.session);
-    pythonNamespace.set("chat", handles.chat);
-    pythonNamespace.set("values", pyodide.toPy(values || {}));
-    const result = await pyodide.runPythonAsync(code, { globals: pythonNamespace });
-    return result && typeof result.toJs === "function"
-      ? result.toJs({ dict_converter: Object.fromEntries, create_pyproxies: false }) : result;
-  },
 };
+
+// The declaration and this file agree, or the worker refuses to start (every call then fails).
+for (const [name, call] of Object.entries(CALLS)) {
+  if (call.worker !== (name in own)) throw new Error(`chat/api.py and python_worker.js disagree on the call ${name}`);
+}
+for (const name of Object.keys(own)) if (!(name in CALLS)) throw new Error(`python_worker.js: ${name} is not declared`);
+
+function run(id, name, args) {
+  if (name in hookCalls) return hookCalls[name](id, args);
+  const call = CALLS[name];
+  if (!call) throw new Error(`no such call: ${name}`);
+  return call.worker ? own[name](id, args) : runDeclared(id, call, args);
+}
 
 self.onmessage = async ({ data: { id, call, args } }) => {
   try {
-    if (!(call in calls)) throw new Error(`no such call: ${call}`);
-    post(id, "done", await calls[call](id, args || {}));
+    post(id, "done", await run(id, call, args || {}));
   } catch (err) {
     // A Python exception arrives as a PythonError (type: the exception's class); faults.js shows
     // its last line.

@@ -1,11 +1,11 @@
 // What every module of the page shares: element lookup and window.demoState, the page's state
-// (read by the tests and by ../shared/tools/gpu-page). Text from the model or the user is only
+// (read by the tests and by `python -m app bench page`). Text from the model or the user is only
 // ever set through textContent, never as HTML.
 export const $ = (id) => document.getElementById(id);
 
 // steps: this conversation's live per-step stats (the overlay); replies: every finished reply or
 // comparison run with its speed figures and complete step table (the export); info: the loaded
-// model's applied options and the runtime's constants (chat.page.chat_info).
+// model's applied options and dtype (chat.page.chat_info; the runtime's constants are in page_api.js).
 export const state = window.demoState = { ready: false, chatReady: false, busy: false, steps: [], replies: [],
   deviceLost: null, longTasks: [], info: null };
 

@@ -58,7 +58,7 @@ def artifact_dir() -> Path:
 def gpu(loop):
     """wgpu-py on this machine's Vulkan adapter (Mesa lavapipe on CI)."""
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    from model_glue.webgpu import WgpuDevice
+    from model_glue.webgpu_native import WgpuDevice
 
     return loop.run_until_complete(WgpuDevice.open())
 
@@ -90,10 +90,11 @@ def test_library(loop, gpu, test_artifact_dir):
 
 @pytest.fixture(scope="session")
 def server():
-    """The app's static server on 127.0.0.1 with a free port, for the browser tests."""
+    """The app's static server on 127.0.0.1 with a free port, for the browser tests; it also serves
+    the test hooks (app/hooks/), which a page loads when its URL asks (`with_hooks`)."""
     from app.server import make_server
 
-    httpd = make_server(STATIC, host="127.0.0.1", port=0)
+    httpd = make_server(STATIC, host="127.0.0.1", port=0, hooks=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -156,9 +157,15 @@ def run_comparison(tab, max_tokens: int, timeout_ms: int, prompt: str | None = N
     return tab.evaluate("window.demoState.lastCompare")
 
 
+def with_hooks(url: str) -> str:
+    """`url` asking for the test hook `python` (window.demo.python: Python run in the page's worker)."""
+    return url + ("&" if "?" in url else "?") + "hooks=python"
+
+
 def open_page(browser, url: str, ready: str, timeout_ms: int, before_load=None):
-    """A new tab on `url`, waited until the JS expression `ready` holds; records its requests,
-    console errors and HTTP errors (`tab.requests`, `tab.console_errors`, `tab.http_errors`).
+    """A new tab on `url` (with the test hooks: `with_hooks`), waited until the JS expression `ready`
+    holds; records its requests, console errors and HTTP errors (`tab.requests`,
+    `tab.console_errors`, `tab.http_errors`).
 
     The page's Content-Security-Policy forbids eval, so Playwright gets `ready` as a function.
     `before_load(tab)` runs before navigation (e.g. to route requests to a fault).
@@ -178,7 +185,7 @@ def open_page(browser, url: str, ready: str, timeout_ms: int, before_load=None):
         if before_load is not None:
             before_load(tab)
         try:
-            tab.goto(url)
+            tab.goto(with_hooks(url))
             tab.wait_for_function(f"() => {ready}", timeout=timeout_ms)
             return tab
         except PlaywrightError as err:

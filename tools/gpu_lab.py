@@ -20,13 +20,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / ".cr"))
 import gpu_page  # noqa: E402 (the driver bundle.sh copies to .cr/)
 
 
+def start_server():
+    """The project's server over the site gpu_page unpacked (static/ and app/), with the test hooks
+    (window.demo.python, asked for by ?hooks=python)."""
+    import threading
+
+    sys.path.insert(0, str(gpu_page.SITE))
+    from app.server import make_server
+
+    httpd = make_server(gpu_page.SITE / "static", host="127.0.0.1", port=0, hooks=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 def run(flag_set: str, contexts: str, iters: int, timeout: float) -> dict:
-    httpd, base = gpu_page.start_server(gpu_page.SITE / "static")
+    httpd, base = start_server()
     browser = gpu_page.Browser(gpu_page.flags_for(flag_set), gpu_page.OUT / f"chromium-lab-{flag_set}.log",
                                gpu_page.chromium_env())
     try:
         tab = browser.new_tab()
-        tab.goto(f"{base}/?model=off")
+        tab.goto(f"{base}/?model=off&hooks=python")
         tab.wait("window.demoState && (window.demoState.ready || window.demoState.error)", 120)
         if tab.eval("window.demoState.error || null"):
             raise RuntimeError(tab.eval("window.demoState.error"))

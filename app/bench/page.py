@@ -1,11 +1,25 @@
-"""`python -m app bench page`: the host's time to encode one decode step in the page.
+"""`python -m app bench page`: the page's own figures, measured in Chromium as a user meets them.
 
-Serves static/ on loopback, opens it in Debian's Chromium (headless, through Playwright), loads
-the model and runs `--steps` greedy decode steps twice in the same tab: every pass encoded by
-Python through Pyodide's proxies, then decode steps replayed from their recorded passes by one call
-into JS (static/replay.js). Reported per mode: the median and worst encode time (Python's clock,
-from the pass's start to its submit), the dispatches per step and whether the ids agree.
-SwiftShader's GPU work is slow, but the encode time does not wait for the GPU.
+Serves static/ on loopback (with the test hooks: app/hooks/), opens it in Debian's Chromium through
+Playwright (headless), and drives the page as a user does, reading what it reports
+(window.demoState):
+- time to Ready: on the first visit (the weights downloaded) and after a reload (from the browser's
+  cache);
+- a short prompt as a chat turn: TTFT, decode tok/s, median step and GPU ms of its decode steps;
+- the long document (static/long_document.txt, the page's Long document button) as a chat turn;
+- Compare nests on the long document: identical text or the first divergence, the teacher-forced
+  agreement, the median attention time of each nest past the switch and their ratio;
+- the host's time to encode a decode step, Python through Pyodide's proxies against the recorded
+  passes replayed by one call into JS (chat.page.decode_encode_benchmark);
+- main-thread long tasks over the visit.
+With `--lab` it runs the page's kernel lab instead (?model=off): decode attention per layer, tiled
+against the sharded family, every row checked against the page's float64 reference, then timed.
+
+`--gpu` starts Chromium with the flags that give WebGPU a real GPU on Linux (Vulkan through ANGLE,
+GPU_FLAGS) and, unless `--no-f16-flag`, Dawn's toggle that lifts its shader-f16 blocklist on
+NVIDIA (chat.page.NVIDIA_F16_FLAG). Without it Chromium runs WebGPU on SwiftShader (the CPU), where
+`?model=tiny_chat` and the defaults there (4 tokens a turn, one visit, the long document cut just
+past the switch) keep a run to a few minutes.
 """
 
 from __future__ import annotations
@@ -13,7 +27,9 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 # Debian's chromium, headless, WebGPU on (SwiftShader where there is no GPU); the tests use these too.
@@ -22,54 +38,282 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--no-first-run", "--disable-quic", "--disable-default-apps", "--disable-extensions",
 ]
+# WebGPU on the machine's GPU in headless Chromium on Linux: Vulkan, through ANGLE, no window surface.
+GPU_FLAGS = ["--use-angle=vulkan", "--enable-features=Vulkan", "--disable-vulkan-surface", "--ignore-gpu-blocklist"]
+DEFAULT_CHROMIUM = "/usr/bin/chromium"  # Debian's (make setup installs it)
+SHORT_PROMPT = "What is the capital of France?"
+# Tokens per turn and decode steps per mode of the encode benchmark: on a GPU, enough for steady
+# figures; on SwiftShader a tiny_chat decode step takes 0.5-5 s (Dawn zero-fills workgroup memory).
+GPU_TOKENS = {"short": 32, "long": 64, "compare": 64, "steps": 8}
+CPU_TOKENS = {"short": 4, "long": 4, "compare": 4, "steps": 4}
+# SwiftShader prefills the whole document (~1,500 tokens) in minutes: by default it gets its head, cut
+# at a space before this many characters (just past the switch, as tests/test_browser_chat_features.py).
+CPU_LONG_CHARS = 1100
 LOAD_TIMEOUT_MS = 300_000
+REPLY_TIMEOUT_MS = 600_000
+
+
+def chromium_flags(gpu: bool, f16_flag: bool = True) -> list[str]:
+    """Chromium's command line: SwiftShader's (the tests'), or a real GPU's (with NVIDIA's f16 toggle)."""
+    from chat.page import NVIDIA_F16_FLAG  # imported here: `python -m app` reads this module's constants
+
+    if not gpu:
+        return list(CHROMIUM_FLAGS)
+    return CHROMIUM_FLAGS + GPU_FLAGS + ([NVIDIA_F16_FLAG] if f16_flag else [])
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def step_medians(stats: list[dict]) -> dict:
+    """Median step, GPU, encode, wait and attention ms over a run's decode steps."""
+    decode = [s for s in stats if s["kind"] == "decode"]
+    return {"decode_steps": len(decode), "kernels": sorted({s["kernel"] for s in decode}),
+            **{f"median_{key}": _median([s[key] for s in decode])
+               for key in ("step_ms", "gpu_ms", "encode_ms", "wait_ms", "attention_ms")}}
+
+
+class PageDriver:
+    """One tab on the page: loads, chat turns and the comparison, as the page's buttons run them."""
+
+    def __init__(self, tab, url: str):
+        self.tab = tab
+        self.url = url
+
+    def load(self) -> dict:
+        """Navigate (or reload) and wait for Ready; the page's time to Ready and where the weights came from."""
+        started = time.perf_counter()
+        self.tab.goto(self.url)
+        self.tab.wait_for_function("() => window.demoState.chatReady || window.demoState.error",
+                                   timeout=LOAD_TIMEOUT_MS)
+        error = self.tab.evaluate("window.demoState.error || null")
+        if error:
+            raise SystemExit(f"the page failed to load: {error}")
+        state = self.tab.evaluate("({readyAt: window.demoState.readyAt, weights: window.demoState.weights, "
+                                  "info: window.demoState.info, device: window.demoState.device})")
+        return {"ready_s": state["readyAt"] / 1e3, "wall_s": time.perf_counter() - started,
+                "weights": state["weights"], "dtype": state["info"]["dtype"], "device": state["device"]}
+
+    def new_chat(self) -> None:
+        """New chat, waited until the page has emptied the conversation (its export table too)."""
+        self.tab.click("#new-chat")
+        self.tab.wait_for_function("() => window.demoState.replies.length === 0 && !window.demoState.busy")
+
+    def _wait(self, done: str) -> None:
+        self.tab.wait_for_function(f"() => ({done}) || (!document.getElementById('chat-error').hidden "
+                                   "&& !window.demoState.busy)", timeout=REPLY_TIMEOUT_MS)
+        error = self.tab.evaluate("document.getElementById('chat-error').hidden ? null : "
+                                  "document.getElementById('chat-error').textContent")
+        if error:
+            raise SystemExit(f"the page refused the turn: {error}")
+
+    def reply(self, text: str, max_tokens: int) -> dict:
+        """One chat turn through Send: the reply's speed figures and its decode steps' medians."""
+        self.tab.fill("#max-tokens", str(max_tokens))
+        self.tab.fill("#prompt", text)
+        self.tab.evaluate("window.demoState.lastReply = null")
+        started = time.perf_counter()
+        self.tab.click("#send")
+        self._wait("window.demoState.lastReply")
+        wall = time.perf_counter() - started
+        reply = self.tab.evaluate("window.demoState.lastReply")
+        stats = self.tab.evaluate("window.demoState.replies[window.demoState.replies.length - 1].stats")
+        return {"prompt_tokens": reply["prompt_tokens"], "tokens": len(reply["token_ids"]),
+                "stop_reason": reply["stop_reason"], "speed": reply["speed"], "wall_s": wall,
+                **step_medians(stats), "text": reply["text"]}
+
+    def compare(self, text: str, max_tokens: int) -> dict:
+        """Compare nests: the verdict, the teacher-forced agreement, the attention past the switch."""
+        self.tab.fill("#max-tokens", str(max_tokens))
+        self.tab.fill("#prompt", text)
+        self.tab.evaluate("window.demoState.lastCompare = null")
+        started = time.perf_counter()
+        self.tab.click("#compare")
+        self._wait("window.demoState.lastCompare")
+        wall = time.perf_counter() - started
+        result = self.tab.evaluate("window.demoState.lastCompare")
+        runs = self.tab.evaluate("window.demoState.replies.filter((r) => r.reply.startsWith('compare'))")
+        return {**result, "wall_s": wall,
+                "runs": {r["reply"].split()[-1]: {"speed": r["speed"], **step_medians(r["stats"])} for r in runs}}
+
+    def long_document(self, chars: int) -> str:
+        """The text the Long document button puts in the box; with `chars`, the document cut at a
+        space before that many characters (the question after it kept)."""
+        self.tab.fill("#prompt", "")
+        self.tab.click("#long-document")
+        self.tab.wait_for_function("() => document.getElementById('prompt').value.length > 0")
+        text = self.tab.input_value("#prompt")
+        if not chars:
+            return text
+        question = text[text.rindex("\n\n"):]
+        return text[:text.rindex(" ", 0, chars)] + question
+
+    def encode_benchmark(self, steps: int) -> dict:
+        """`steps` decode steps encoded by Python, then replayed by one JS call (the same greedy ids)."""
+        modes = {}
+        for replay in (False, True):
+            run = json.loads(self.tab.evaluate(
+                "([steps, replay]) => window.demo.python('await page.decode_encode_benchmark("
+                "chat, values[\"steps\"], values[\"replay\"])', {steps, replay})", [steps, replay]))
+            encode = run["encode_ms"][1:]  # the first decode step records the passes
+            modes["replay" if replay else "python"] = {
+                **run, "encode_median_ms": statistics.median(encode), "encode_worst_ms": max(encode),
+                "step_median_ms": statistics.median(run["step_ms"])}
+        modes["ids_identical"] = modes["python"]["token_ids"] == modes["replay"]["token_ids"]
+        return modes
+
+    def lab(self, contexts: list[int] | None, iters: int | None) -> dict:
+        """The kernel lab (?model=off), as its Run button runs it: every row f64-checked, then timed;
+        contexts and iterations default to the page's for this adapter. Its export's fields."""
+        self.tab.goto(self.url)
+        self.tab.wait_for_function("() => window.demoState.ready || window.demoState.error", timeout=LOAD_TIMEOUT_MS)
+        if self.tab.evaluate("window.demoState.error || null"):
+            raise SystemExit(f"the page failed to load: {self.tab.evaluate('window.demoState.error')}")
+        self.tab.click("#lab-details summary")  # opens the lab's panel
+        if contexts:
+            self.tab.fill("#lab-contexts", ",".join(map(str, contexts)))
+        if iters:
+            self.tab.fill("#lab-iters", str(iters))
+        self.tab.evaluate("window.demoState.lab = null")
+        self.tab.click("#lab-run")
+        self.tab.wait_for_function("() => window.demoState.lab || /failed|must be/.test("
+                                   "document.getElementById('lab-status').textContent)", timeout=REPLY_TIMEOUT_MS)
+        lab = self.tab.evaluate("window.demoState.lab")
+        status = self.tab.inner_text("#lab-status")
+        if not lab:
+            raise SystemExit(f"the kernel lab failed: {status}")
+        return {**lab, "status": status, "device": self.tab.evaluate("window.demoState.device")}
+
+    def long_tasks(self) -> dict:
+        tasks = self.tab.evaluate("window.demoState.longTasks")
+        return {"count": len(tasks), "worst_ms": max((t["duration"] for t in tasks), default=0)}
+
+
+def _num(value, digits=1, unit=""):
+    return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def report_rows(result: dict) -> list[tuple[str, str]]:
+    """The table `run_page_bench` prints: (figure, value) rows."""
+    rows = []
+    for load in result["loads"]:
+        source = (load["weights"] or {}).get("source")
+        rows.append((f"Ready (weights from the {source})", _num(load["ready_s"], 2, " s")))
+
+    def turn(label, run):
+        speed = run["speed"]
+        rows.append((f"{label} ({run['prompt_tokens']:,} prompt tokens): TTFT", _num(speed["ttft_ms"], 0, " ms")))
+        rows.append((f"{label}: decode ({run['decode_steps']} steps)",
+                     f"{_num(speed['decode_tok_s'])} tok/s; median step {_num(run['median_step_ms'], 2, ' ms')}, "
+                     f"GPU {_num(run['median_gpu_ms'], 2, ' ms')}, attention {_num(run['median_attention_ms'], 3, ' ms')}"))
+
+    for key, label in (("short", "short prompt"), ("long", "long document")):
+        if key in result:
+            turn(label, result[key])
+    if "compare" in result:
+        c = result["compare"]
+        rows.append((f"compare nests ({c['prompt_tokens']:,} prompt tokens)",
+                     "identical greedy text" if c["identical"] else f"first divergence at token {c['first_divergence']}"))
+        forced = c["teacher_forced"]
+        rows.append(("  teacher-forced agreement", f"{forced['matches']}/{forced['steps']}"))
+        past = c["past_switch"]
+        med = past["median_attention_ms"]
+        ratio = "-" if past["speedup"] is None else f"{past['speedup']:.2f}x"
+        rows.append((f"  attention past {result['switch_at']} tokens (median)",
+                     f"tiled {_num(med['tiled'], 3, ' ms')}, sharded {_num(med['sharded'], 3, ' ms')}: "
+                     f"tiled/sharded {ratio}"))
+        for nest, run in c["runs"].items():
+            rows.append((f"  {nest} run: decode", f"{_num(run['speed']['decode_tok_s'])} tok/s, median step "
+                                                  f"{_num(run['median_step_ms'], 2, ' ms')}, GPU {_num(run['median_gpu_ms'], 2, ' ms')}"))
+    if "encode" in result:
+        e = result["encode"]
+        rows.append(("encode a decode step: Python / JS replay",
+                     f"{e['python']['encode_median_ms']:.3f} / {e['replay']['encode_median_ms']:.3f} ms (median); "
+                     f"ids identical: {e['ids_identical']}"))
+    tasks = result["long_tasks"]
+    rows.append(("main-thread long tasks (> 50 ms)", f"{tasks['count']} (worst {tasks['worst_ms']:.0f} ms)"))
+    return rows
+
+
+def lab_table(lab: dict) -> str:
+    """The lab's rows as text: per shape, context and nest, what ran and its time."""
+    lines = [f"{lab['adapter']} ({lab['dtype']}): {lab['status']}",
+             f"{'shape':>16} {'context':>7} {'nest':>8} {'ran':>16} {'us/layer':>9} {'ms/step':>8} {'KV GB/s':>8} "
+             f"{'tiled/sharded':>13} {'rel L2':>8}"]
+    for r in lab["rows"]:
+        head = f"{r['shape']:>16} {r['context']:>7} {r['nest']:>8} {str(r.get('ran')):>16}"
+        if r.get("us") is None:
+            lines.append(f"{head} {r.get('error')}")
+            continue
+        ratio = f"{r['tiled_over_sharded']:.2f}x" if r["nest"] == "sharded" and r.get("tiled_over_sharded") else ""
+        lines.append(f"{head} {r['us']:>9.1f} {r['step_ms']:>8.2f} {r['kv_gb_s']:>8.1f} {ratio:>13} {r['rel_l2']:>8.1e}")
+    return "\n".join(lines)
 
 
 def run_page_bench(args) -> dict:
-    import tempfile
-
     from playwright.sync_api import sync_playwright
 
     from app.server import make_server
+    from chat.api import constants
 
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    chromium = args.chromium or shutil.which("chromium") or DEFAULT_CHROMIUM
     if not Path(chromium).exists():
-        raise SystemExit("Debian's chromium is not installed: run `make setup`")
-    httpd = make_server(args.root, host="127.0.0.1", port=0)
+        raise SystemExit(f"no Chromium at {chromium}: `make setup` installs Debian's (or pass --chromium PATH)")
+    flags = chromium_flags(args.gpu, not args.no_f16_flag)
+    tokens = {**(GPU_TOKENS if args.gpu else CPU_TOKENS),
+              **{k: v for k, v in (("short", args.short_tokens), ("long", args.long_tokens),
+                                   ("compare", args.compare_tokens), ("steps", args.steps)) if v is not None}}
+    long_chars = args.long_chars if args.long_chars is not None else (0 if args.gpu else CPU_LONG_CHARS)
+    visits = 2 if (args.gpu if args.reload is None else args.reload) else 1
+    httpd = make_server(args.root, host="127.0.0.1", port=0, hooks=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/?model={args.model}"
-    results = {}
+    model = "off" if args.lab else args.model
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/?model={model}&hooks=python"
+    result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
+              "switch_at": constants()["SWITCH_AT"], "loads": []}
+    say = lambda text: print(text, flush=True)  # noqa: E731
     try:
         with sync_playwright() as pw, tempfile.TemporaryDirectory() as profile:
             context = pw.chromium.launch_persistent_context(profile, executable_path=chromium, headless=True,
-                                                            args=CHROMIUM_FLAGS)
-            tab = context.new_page()
-            tab.goto(url)
-            tab.wait_for_function("() => window.demoState.chatReady || window.demoState.error",
-                                  timeout=LOAD_TIMEOUT_MS)
-            if tab.evaluate("window.demoState.error || null"):
-                raise SystemExit(f"the page failed to load: {tab.evaluate('window.demoState.error')}")
-            adapter = tab.evaluate("window.demoState.device && window.demoState.device.adapter")
-            print(f"page {url}; adapter: {adapter}; {args.steps} decode steps per mode", flush=True)
-            print(f"{'encoding':>22} {'median ms':>9} {'worst ms':>8} {'dispatches':>10} {'step ms':>8}")
-            for replay in (False, True):
-                raw = tab.evaluate("([steps, replay]) => window.demo.python('await page.decode_encode_benchmark("
-                                   "chat, values[\"steps\"], values[\"replay\"])', {steps, replay})", [args.steps, replay])
-                run = json.loads(raw)
-                label = "JS replay (one call)" if replay else "Python, every dispatch"
-                encode = run["encode_ms"][1:]  # the first decode step records the passes
-                results[label] = {**run, "encode_median_ms": statistics.median(encode), "encode_worst_ms": max(encode)}
-                print(f"{label:>22} {statistics.median(encode):>9.3f} {max(encode):>8.3f} "
-                      f"{','.join(map(str, sorted(set(run['dispatches'])))):>10} "
-                      f"{statistics.median(run['step_ms']):>8.1f}", flush=True)
-            modes = list(results.values())
-            same = modes[0]["token_ids"] == modes[1]["token_ids"]
-            print(f"greedy ids identical in both modes: {same}; replayed by {modes[1]['replayed_by']}")
-            context.close()
+                                                            args=flags)
+            try:
+                page = PageDriver(context.new_page(), url)
+                if args.lab:
+                    result["lab"] = page.lab(args.lab_contexts, args.lab_iters)
+                    print(lab_table(result["lab"]), flush=True)
+                    return _write_json(args, result)
+                for visit in range(visits):
+                    load = page.load()
+                    result["loads"].append(load)
+                    say(f"visit {visit + 1}: Ready in {load['ready_s']:.2f} s (weights: {load['weights']['source']})")
+                result.update(adapter=load["device"]["adapter"], dtype=load["dtype"], device=load["device"])
+                say(f"page {url}\nadapter: {result['adapter']} ({load['device']['backend']}), {result['dtype']} kernels")
+                result["short"] = page.reply(SHORT_PROMPT, tokens["short"])
+                say(f"short prompt: {result['short']['tokens']} tokens")
+                document = page.long_document(long_chars)
+                page.new_chat()
+                result["long"] = page.reply(document, tokens["long"])
+                say(f"long document: {result['long']['prompt_tokens']} prompt tokens")
+                page.new_chat()
+                result["compare"] = page.compare(document, tokens["compare"])
+                say("comparison done")
+                if tokens["steps"]:
+                    result["encode"] = page.encode_benchmark(tokens["steps"])
+                result["long_tasks"] = page.long_tasks()
+            finally:
+                context.close()
     finally:
         httpd.shutdown()
         httpd.server_close()
-    result = {"url": url, "adapter": adapter, "steps": args.steps, "modes": results}
+    rows = report_rows(result)
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows), flush=True)
+    return _write_json(args, result)
+
+
+def _write_json(args, result: dict) -> dict:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
