@@ -182,6 +182,20 @@ def make_paged_inputs(
     }
 
 
+def sub_batch(inputs: dict, keep: list[int]) -> dict:
+    """Sequences `keep` of a batch from make_paged_inputs, on the same pages: the reference's rows
+    `keep` are theirs."""
+    indptr = inputs["page_table_indptr"]
+    values = [inputs["page_table_values"][indptr[b]:indptr[b + 1]] for b in keep]
+    return {**inputs, "q": inputs["q"][keep],
+            "page_table_indptr": np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(np.int32),
+            "page_table_values": np.concatenate(values).astype(np.int32),
+            "length_info": inputs["length_info"][..., keep],
+            "context_lens": [inputs["context_lens"][b] for b in keep], "kv_lens": [inputs["kv_lens"][b] for b in keep],
+            "kept_tokens": [inputs["kept_tokens"][b] for b in keep],
+            "q_rope_position": inputs["q_rope_position"][keep], "k_rope_pos_offset": inputs["k_rope_pos_offset"][keep]}
+
+
 if __name__ == "__main__":
     import time
 

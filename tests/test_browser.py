@@ -15,9 +15,10 @@ from conftest import chromium, open_page
 from page_hooks import install_page_hooks
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
-from kernels.catalog import subgroup_builds
+from kernels.decode_attention_subgroup import distinct_builds
 from model_glue.attention import attention_call, pick_subgroup_build
-from contract.kernels import ATTENTION_OUTPUTS, attention_kernel_name, subgroup_tag
+from contract.attention import subgroup_tag
+from contract.kernels import ATTENTION_OUTPUTS, attention_kernel_name
 from contract.model import AttentionShape
 
 pytestmark = pytest.mark.browser
@@ -135,28 +136,28 @@ def _b64(array) -> str:
     return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
 
 
-def _kernel_in_page(page, variant, shape):
-    """The artifact name of `variant` ("tiled", "shards" or "subgroup", whole context) as this
-    page's adapter runs it: the subgroup build its subgroups fit (None: none fits)."""
+def _kernel_in_page(page, kernel, shape):
+    """The artifact name of `kernel` ("tiled", or the "shards" or "subgroup" layout, whole context)
+    as this page's adapter runs it: the subgroup build its subgroups fit (None: none fits)."""
     tag = None
-    if variant == "subgroup":
+    if kernel == "subgroup":
         device = page.evaluate("window.demoState.device")
-        build = pick_subgroup_build(subgroup_builds(shape.head_dim), device["subgroup_min_size"],
+        build = pick_subgroup_build(distinct_builds(shape.head_dim), device["subgroup_min_size"],
                                     device["subgroup_max_size"])
         if build is None:
             return None
         tag = subgroup_tag(*build)
-    return attention_kernel_name(variant, shape, "float32", tag=tag)
+    return attention_kernel_name(kernel, shape, "float32", tag=tag)
 
 
-@pytest.mark.parametrize("variant", ["tiled", "shards", "subgroup"])
+@pytest.mark.parametrize("kernel", ["tiled", "shards", "subgroup"])
 @pytest.mark.parametrize("shape", [AttentionShape(1, 2, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)],
                          ids=lambda s: f"d{s.head_dim}")
-def test_attention_in_chromium_matches_reference(page, shape, variant):
+def test_attention_in_chromium_matches_reference(page, shape, kernel):
     """Served kernels (SwiftShader: f32; its subgroups of 4 run the 4-lane subgroup build) against
     the f64 reference, compiled by Chromium's WGSL compiler and run through navigator.gpu."""
     install_page_hooks(page)
-    name = _kernel_in_page(page, variant, shape)
+    name = _kernel_in_page(page, kernel, shape)
     if name is None:
         pytest.skip("this adapter's subgroups fit no subgroup build")
     head_dim, heads = shape.head_dim, shape.num_qo_heads

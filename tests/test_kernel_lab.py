@@ -1,13 +1,16 @@
 """The kernel lab's Python (chat/lab.py) natively on wgpu/lavapipe: its inputs, its f64 reference
 (against numpy's), and its rows: checked, then timed, and a wrong row not timed."""
 
+import copy
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from attention_reference import decode_attention_reference
 from chat.lab import NESTS, TOLERANCE, LabInputs, lab_rows, random_values
 from chat.page import Session
-from contract.kernels import PAGE_SIZE
+from contract.kernels import PAGE_SIZE, AttentionSpec
 from contract.model import AttentionShape, BENCH_SHAPES
 
 
@@ -46,3 +49,17 @@ def test_rows_are_checked_then_timed_and_a_wrong_one_is_not_timed(loop, gpu, lib
     wrong = loop.run_until_complete(lab_rows(session, shape, 32, 64, "float32", iters=2, rounds=1,
                                              check=lambda inputs, output: 0.5))
     assert all(not r["ok"] and "us" not in r and "not timed" in r["error"] for r in wrong)
+
+
+def test_auto_runs_the_family_where_the_tiled_kernel_is_defective(loop, gpu, library):
+    """Below the switch, `auto` picks tiled; where the build marked TVM's tiled kernel wrong for the
+    shape, the lab's auto (as the host's) must run the sharded family instead, and tiled not at all."""
+    shape = BENCH_SHAPES[0]
+    tiled = AttentionSpec("tiled", shape, "float32").name
+    marked = copy.copy(library)
+    marked.specs = {**library.specs, tiled: replace(library.specs[tiled], meta={
+        **library.specs[tiled].meta, "defect": "computes 3 of 4 query heads per KV head (marked by this test)"})}
+    rows = loop.run_until_complete(lab_rows(Session(gpu, marked), shape, 32, 64, "float32", iters=2, rounds=1))
+    by_nest = {r["nest"]: r for r in rows}
+    assert by_nest["tiled"]["ran"] is None and "marked by this test" in by_nest["tiled"]["error"]
+    assert by_nest["auto"]["ok"] and by_nest["auto"]["ran"] == by_nest["sharded"]["ran"] != "tiled", by_nest["auto"]

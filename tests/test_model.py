@@ -12,11 +12,12 @@ import pytest
 from chat.session import ChatSession
 from model_glue.artifact import folder_readers
 from convert.weights import load_artifact_weights, write_random_artifact
-from contract.kernels import NESTS
+from contract.attention import NESTS, AttentionChoice
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
 from model_glue.generate import generate
 from model_glue.loading import load_model
+from model_glue.model import PlanKey
 from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
 
@@ -111,13 +112,13 @@ def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, test_library, t
     for label, attention, override in [("auto", "auto", None), ("tiled", "tiled", None)] + [
             (o, "auto", o) for o in overrides]:
         runs[label] = loop.run_until_complete(generate(model, prompt, max_new_tokens=84,
-                                                       options=RunOptions(attention=attention, variant=override)))
+                                                       options=RunOptions(attention=attention, layout=override)))
     auto = runs["auto"]
     decode = [s for s in auto.stats if s.kind == "decode"]
     assert {s.nest for s in decode if s.context <= 256} == {"tiled"}
     assert {s.nest for s in decode if s.context > 256} == {"sharded"}
-    assert {s.variant for s in decode if s.context > 256} == {"subgroup" if model.runs_subgroups else "shards_group"}
-    assert {s.variant for s in runs["shards:8"].stats if s.context > 256} == {"shards S=8"}
+    assert {s.kernel for s in decode if s.context > 256} == {"subgroup" if model.runs_subgroups else "shards_group"}
+    assert {s.kernel for s in runs["shards:8"].stats if s.context > 256} == {"shards S=8"}
     switch = next(i for i, s in enumerate(decode) if s.nest == "sharded")
     assert decode[switch].context == 257
     steps_past_switch = len(decode) - switch
@@ -216,8 +217,8 @@ def test_real_model_logits_match_reference(loop, smollm2):
 def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_library, tiny_dir):
     model = load(loop, gpu, test_library, tiny_dir, "float32")
     loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, options=RunOptions(attention="tiled")))
-    plan = model._plans["tiled", False, True]
-    attention = model.attention["tiled"].name
+    plan = model._plans[PlanKey(AttentionChoice("tiled"), greedy=True)]
+    attention = model.attention.tiled
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
     assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
+from contract.attention import LayoutChoice
 from model_glue.errors import ModelError
 from model_glue.options import DEFAULT_PIPELINE_DEPTH, RunOptions
 
@@ -34,7 +35,8 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
     assert loaded.max_context == 8192 and loaded.fold_norms is False and loaded.prefill_chunk == 256
     gpu = RunOptions().resolved(is_cpu=False, context_length=8192)
     assert gpu.fold_norms is True and gpu.prefill_chunk == 4096
-    assert loaded.merged(RunOptions(variant="shards:8")).variant == "shards:8"
+    assert loaded.merged(RunOptions(layout="shards:8")).layout == LayoutChoice("shards", 8)  # parsed once, here
+    assert RunOptions.from_json('{"layout": "subgroup:4"}').to_json()["layout"] == "subgroup:4"
     assert loaded.merged(RunOptions(prefill_chunk=37)).prefill_chunk == 37
     assert loaded.pipeline_depth == DEFAULT_PIPELINE_DEPTH and loaded.merged(RunOptions(pipeline_depth=2)).pipeline_depth == 2
     assert gpu.warm_up is True and loaded.warm_up is False  # seconds on a CPU rasterizer
@@ -43,4 +45,6 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
     with pytest.raises(ModelError, match="chosen when the model loads"):
         loaded.merged(RunOptions(max_context=64))
     with pytest.raises(ModelError, match="number of splits"):
-        RunOptions(variant="shards:999").check()
+        RunOptions(layout="shards:999")
+    with pytest.raises(ModelError, match="sharded layout must be one of"):
+        RunOptions.from_json('{"layout": "fast:2"}')

@@ -21,13 +21,16 @@ from model_glue.loading import load_model
 from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
+WARMUP_PROMPT = 300  # tokens: the warm-up crosses the switch to the sharded family
+WARMUP_NEW_TOKENS = 16
 
 
 async def run_decode_bench(args) -> dict:
     device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
-    warmup_prompt = 300  # tokens: the warm-up crosses the switch to the sharded family
-    max_context = max(*args.contexts, warmup_prompt) + args.steps + 4
+    # The KV cache holds the longest of: each context's prompt and the steps + 1 tokens it generates
+    # (the run asks for steps + 1: the first comes from the prefill), and the warm-up's own run.
+    max_context = max(max(args.contexts) + args.steps + 1, WARMUP_PROMPT + WARMUP_NEW_TOKENS)
     model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max_context),
                              dtype=None if args.dtype == "auto" else args.dtype)
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
@@ -42,15 +45,15 @@ async def run_decode_bench(args) -> dict:
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
 
     def mode_options(attention, override):
-        return RunOptions(attention=attention, variant=None if override == "sample" else override)
+        return RunOptions(attention=attention, layout=None if override == "sample" else override)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers, and a GPU's clocks
     # ramp up only under sustained work (the H200 idles at 345 MHz): at least WARMUP_SECONDS of runs.
     warmup_until = time.perf_counter() + WARMUP_SECONDS
     while True:
         for attention, override in modes:
             model.reset()
-            await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(warmup_prompt)],
-                           max_new_tokens=16, options=mode_options(attention, override),
+            await generate(model, [rng.randrange(3, model.config.vocab_size) for _ in range(WARMUP_PROMPT)],
+                           max_new_tokens=WARMUP_NEW_TOKENS, options=mode_options(attention, override),
                            sampling=sampled if override == "sample" else GREEDY)
         if time.perf_counter() >= warmup_until:
             break
@@ -82,7 +85,7 @@ async def run_decode_bench(args) -> dict:
                    "attention_ms": None if attn_ms is None else round(attn_ms, 4),
                    "dispatches": sorted({s.dispatches for s in steps}),
                    "prefill_gpu_ms": prefill_gpu, "prefill_attention_ms": prefill_attn,
-                   "nests": sorted({s.variant for s in steps})}
+                   "nests": sorted({s.kernel for s in steps})}
             rows.append(row)
 
             def ms(value, digits):
