@@ -15,7 +15,8 @@ import struct
 
 from model_glue.artifact import KernelLibrary, http_readers
 from model_glue.errors import ModelError
-from model_glue.webgpu import DeviceLostError, open_device
+from model_glue.device import open_device
+from model_glue.webgpu import DeviceLostError
 
 PROBE_ROWS = 8
 PROBE_WIDTH = 256

@@ -2,18 +2,17 @@
 
 This module holds what both share: the usage bits, the limits and features a device asks for, the
 errors, `Device` (buffers, reads, pipelines, device loss; a backend implements its `_`-prefixed
-primitives), `Batch`, `RecordedPasses`, `Timestamps` and `open_device`. The backends:
+primitives), `Batch`, `RecordedPasses` and `Timestamps`. The backends:
 `model_glue.webgpu_browser.BrowserDevice` drives Pyodide's `js.navigator.gpu`;
 `model_glue.webgpu_native.WgpuDevice` drives wgpu-py (native, used by tests and benchmarks).
-`open_device` imports the one this process runs on, so neither `js` nor `wgpu` is imported where
-it does not exist. Both expose the same methods, so everything above this seam runs unchanged in
+`model_glue.device.open_device` imports the one this process runs on, so neither `js` nor `wgpu` is
+imported where it does not exist. Both expose the same methods, so everything above this seam runs unchanged in
 the browser and natively. The API is async because the browser's WebGPU promises must be awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from contextlib import contextmanager
 
 # WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
@@ -343,20 +342,3 @@ def _align4(n: int) -> int:
 
 def _align(n: int, k: int) -> int:
     return (n + k - 1) // k * k
-
-
-
-def in_browser() -> bool:
-    return sys.platform == "emscripten"
-
-
-async def open_device(limit_caps: dict[str, int] | None = None) -> Device:
-    """The browser's device under Pyodide, else wgpu-py's best adapter (each backend's module is
-    imported here, on the platform that has it)."""
-    if in_browser():
-        from model_glue.webgpu_browser import BrowserDevice
-
-        return await BrowserDevice.open(limit_caps)
-    from model_glue.webgpu_native import WgpuDevice
-
-    return await WgpuDevice.open(limit_caps)

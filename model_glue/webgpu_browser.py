@@ -1,7 +1,7 @@
 """The browser backend of the WebGPU seam (model_glue.webgpu): `BrowserDevice` on Pyodide's
 `js.navigator.gpu`, and `BrowserRecordedPasses`, whose replay runs in the page (static/replay.js).
 
-Imported only in the browser (`model_glue.webgpu.open_device` under Pyodide): `js` exists nowhere else.
+Imported only in the browser (`model_glue.device.open_device` under Pyodide): `js` exists nowhere else.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The native backend of the WebGPU seam (model_glue.webgpu): `WgpuDevice` on wgpu-py.
 
 Tests, benchmarks and the native CLI run on it; the browser never imports this module
-(`model_glue.webgpu.open_device` imports it only outside Pyodide). Also here: the measurement of
+(`model_glue.device.open_device` imports it only outside Pyodide). Also here: the measurement of
 the subgroup size (wgpu-native reports none) and `WgpuRecordedPasses`, a replay that calls
 wgpu-native directly.
 """
