@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)
+    dec.add_argument("--profile", action="store_true",
+                     help="also time every dispatch of one decode step alone: GPU us, bytes and GB/s per kernel role")
+    dec.add_argument("--profile-repeats", type=int, default=5, help="profiled steps per context (medians)")
 
     pre = bench_sub.add_parser("prefill", help="time to first token: prefill tok/s, GPU, attention and matmul ms per chunk size")
     pre.add_argument("--prompts", type=_int_list, default=[128, 1024, 3000, 8000], help="prompt lengths (tokens)")

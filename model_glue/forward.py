@@ -58,6 +58,28 @@ class PassEncoder:
             yield
 
 
+class ProfilingEncoder:
+    """Encodes a pass with every dispatch in a timed compute pass of its own (`python -m app bench
+    decode --profile`): dispatch i writes timestamps 2i and 2i + 1, and its kernel's name and bound
+    buffers are kept in `dispatches`. The forward pass's own spans are left out (each dispatch is
+    already timed alone)."""
+
+    def __init__(self, batch, stamps):
+        self.batch, self.stamps = batch, stamps
+        self.dispatches: list[tuple[str, dict]] = []
+
+    def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
+        i = len(self.dispatches)
+        bound = kernel.bind(buffers, values)
+        bound.dispatch(self.batch, (self.stamps, 2 * i, 2 * i + 1))
+        bound.release_after(self.batch)
+        self.dispatches.append((kernel.name, buffers))
+
+    @contextmanager
+    def timed(self, begin: int | None, end: int | None):
+        yield
+
+
 # -- attention calls ------------------------------------------------------------------------------------
 def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
     """Buffers and values of one layer's attention (the values are the same in every layer)."""

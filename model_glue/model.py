@@ -20,7 +20,7 @@ from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from model_glue.attention import AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
-from model_glue.forward import PassEncoder, encode_forward, forward_roles, per_step_values
+from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
 from model_glue.kernel import DispatchPlan
 from model_glue.kv_cache import PagedKVCache
 from model_glue.options import RunOptions
@@ -239,6 +239,31 @@ class LlamaModel:
         for step in steps:
             await self.pipeline.read_back(step)
         self.rollback(steps[0].start)
+
+    async def profile_decode_step(self, stamps) -> tuple[AttentionChoice, list[tuple[str, dict, int]]]:
+        """One greedy decode step after the cached context, every dispatch in a timed pass of its own
+        (model_glue.forward.ProfilingEncoder; `stamps` holds exactly two queries per dispatch), then
+        the model is reset (the step overwrote the last id). Returns the step's attention choice and
+        (kernel name, bound buffers, GPU ns) per dispatch, in order."""
+        if self.pipeline.in_flight or not self.cached_ids:
+            raise ModelError("profile a step after a finished run, with no pass in flight")
+        start = self.kv.length
+        choice = self._choose([start + 1])
+        slots = self.kv.reserve(1)
+        self.ensure_scratch(1)
+        nnz_pages = self._write_inputs(None, start, slots, start + 1)
+        batch = self.device.batch()
+        enc = ProfilingEncoder(batch, stamps)
+        encode_forward(self, enc, 1, choice, nnz_pages, None, 0.0)
+        if 2 * len(enc.dispatches) != stamps.count:  # resolve only written queries (unwritten ones can hang)
+            batch.submit()
+            self.reset()
+            raise ValueError(f"the step has {len(enc.dispatches)} dispatches; pass {2 * len(enc.dispatches)} queries")
+        batch.resolve(stamps)
+        batch.submit()
+        ticks = await stamps.read_ns()
+        self.reset()
+        return choice, [(name, buffers, ticks[2 * i + 1] - ticks[2 * i]) for i, (name, buffers) in enumerate(enc.dispatches)]
 
     def reset(self) -> None:
         self.kv.reset()

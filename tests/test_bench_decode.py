@@ -35,3 +35,38 @@ def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_li
     rows = result["rows"]
     assert len(rows) == 3 and all(row["context"] == 64 for row in rows)  # auto, auto held to shards, tiled
     assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in rows)
+
+
+def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_library, test_artifact_dir, tiny_folder,
+                                                              monkeypatch):
+    """`--profile`: one step's dispatches, each timed alone, grouped by role; every dispatch of the
+    step is counted once, attention reads the context's K/V and the matmuls their weights."""
+    if not gpu.has_timestamps:
+        pytest.skip("the adapter has no timestamp-query")
+
+    async def inputs(args):
+        return gpu, test_library, args.model, "tiny_llama"
+
+    real = decode_bench.profile_contexts
+
+    async def quick_profile(model, device, library, contexts, repeats):  # fewer timing calls on a CPU
+        return await real(model, device, library, contexts, repeats, iters=2)
+
+    monkeypatch.setattr(decode_bench, "bench_inputs", inputs)
+    monkeypatch.setattr(decode_bench, "profile_contexts", quick_profile)
+    monkeypatch.setattr(decode_bench, "WARMUP_SECONDS", 0.0)
+    monkeypatch.setattr(decode_bench, "WARMUP_PROMPT", 40)
+    monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
+    args = argparse.Namespace(contexts=[24], steps=2, dtype="float32", synthetic=False, sample=False, json=None,
+                              model=tiny_folder, kernels=test_artifact_dir, profile=True, profile_repeats=1)
+    result = loop.run_until_complete(decode_bench.run_decode_bench(args))
+    (row,) = result["profile"]["contexts"]
+    roles = row["roles"]
+    layers = 2  # tiny_llama
+    assert roles["attention"]["dispatches"] == layers and roles["rope_append"]["dispatches"] == layers
+    assert sum(r["dispatches"] for r in roles.values()) == result["rows"][0]["dispatches"][0], roles
+    kv_heads, head_dim = 2, 64
+    assert row["step_context"] == 24 + 4  # the run's 24 + 3 cached tokens, then the profiled one
+    assert roles["attention"]["bytes"] == layers * row["step_context"] * kv_heads * head_dim * 2 * 4  # K and V, f32
+    assert roles["down_residual"]["bytes"] > 0 and roles["argmax"]["bytes"] == 0
+    assert all(r["us"] >= 0 for r in roles.values()) and row["profiled_sum_ms"] > 0

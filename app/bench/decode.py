@@ -5,7 +5,8 @@ For each context C: the model is reset and `generate` runs a C-token prompt: the
 then --steps pipelined greedy decode steps (tokens/s from their wall time; per step the host's
 encode time, the GPU time of the whole pass and of attention from GPU timestamps, dispatches).
 The prompt is random token ids: throughput does not depend on the text. `--synthetic` writes
-random weights of SmolLM2's shape (for machines without the converted model).
+random weights of SmolLM2's shape (for machines without the converted model). `--profile` adds,
+per context, where one decode step's GPU time goes by kernel role (app/bench/profile.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 import time
 
 from app.bench.inputs import bench_inputs
+from app.bench.profile import print_profile, profile_contexts
 from model_glue.artifact import folder_readers
 from model_glue.generate import GREEDY, Sampling, generate
 from model_glue.loading import load_model
@@ -96,6 +98,11 @@ async def run_decode_bench(args) -> dict:
                   f"{','.join(map(str, row['dispatches'])):>10} {','.join(row['nests']):>16} "
                   f"{ms(prefill_gpu, 1):>9}/{ms(prefill_attn, 1):<9}", flush=True)
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
+    if getattr(args, "profile", False):
+        if not device.has_timestamps:
+            raise SystemExit("--profile needs an adapter with timestamp-query")
+        result["profile"] = await profile_contexts(model, device, library, args.contexts, args.profile_repeats)
+        print_profile(result["profile"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

@@ -1,0 +1,113 @@
+"""`python -m app bench decode --profile`: where a decode step's GPU time goes, per kernel role.
+
+One greedy decode step after a C-token context is encoded with every dispatch in a timed compute
+pass of its own (LlamaModel.profile_decode_step), `--profile-repeats` times; each dispatch's median
+is corrected by the cost of an empty timed pass (measured in the same run) and summed per role
+(embed, norm_qkv, rope_append, attention, merge, o_residual, norm_gate_up_swiglu, down_residual,
+norm_lm_head, argmax). Beside each role: the bytes it reads (weights, or the K/V of the context), the
+GB/s that makes, the time those bytes need at the streaming bandwidth measured in the same run, and
+the one-dispatch floor (a timed pass holding one tiny dispatch) times the role's dispatches. The
+profiled sum is checked against the GPU time of the same context's ordinary decode steps, whose
+passes are fewer (each layer's attention is its own timed pass there).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from app.bench.attention import dispatch_floor, ramp_clocks, stream_bandwidth
+from model_glue.generate import generate
+
+EMPTY_PASS_CALLS = 64
+
+
+async def empty_pass_seconds(device, calls: int = EMPTY_PASS_CALLS) -> float:
+    """Median of a timed compute pass that holds no dispatch: what timing a dispatch alone adds."""
+    stamps = device.timestamps(2 * calls)
+    batch = device.batch()
+    for i in range(calls):
+        with batch.timed((stamps, 2 * i, 2 * i + 1)):
+            pass
+    batch.resolve(stamps)
+    batch.submit()
+    ticks = await stamps.read_ns()
+    return statistics.median(ticks[2 * i + 1] - ticks[2 * i] for i in range(calls)) * 1e-9
+
+
+def role_of(library, name: str) -> str:
+    meta = library.specs[name].meta
+    if meta.get("kind") == "llama":
+        return meta["role"].removesuffix("_decode")
+    return {"decode_attention": "attention", "decode_attention_merge": "merge"}.get(meta.get("kind"), name)
+
+
+def bytes_read(model, library, name: str, buffers: dict, context: int) -> int:
+    """Bytes a dispatch must read: the weights it binds, and attention's K/V over the context
+    (activations of one token are a few KiB)."""
+    weights = {id(buffer) for buffer in model.weights.values()}
+    total = sum(buffer.size for buffer in buffers.values() if id(buffer) in weights)
+    if role_of(library, name) == "embed":  # one row of the table
+        return total // model.config.vocab_size
+    if library.specs[name].meta.get("kind") == "decode_attention":
+        c = model.config
+        total += context * c.n_kv_heads * c.head_dim * 2 * model.esize
+    return total
+
+
+async def profile_contexts(model, device, library, contexts, repeats: int, iters: int = 50) -> dict:
+    """The per-role profile of one decode step at each context (see the module docstring)."""
+    await ramp_clocks(device, library)
+    stream_gbps = await stream_bandwidth(device, library, iters, "timestamps")
+    floor, _ = await dispatch_floor(device, library, iters, "timestamps")
+    empty = await empty_pass_seconds(device)
+    rng = random.Random(1)
+    results = []
+    for context in contexts:
+        prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
+        samples, stamps, ordinary = None, None, []
+        for _ in range(repeats):
+            model.reset()
+            run = await generate(model, prompt, max_new_tokens=4)
+            decode = [s for s in run.stats if s.kind == "decode"]
+            ordinary += [s.gpu_ms for s in decode if s.gpu_ms is not None]
+            if stamps is None:
+                stamps = device.timestamps(2 * decode[-1].dispatches)
+            step_context = model.kv.length + 1  # the profiled step's own token attends too
+            choice, dispatches = await model.profile_decode_step(stamps)
+            if samples is None:
+                samples = [(name, buffers, []) for name, buffers, _ in dispatches]
+            for (_, _, ns), (_, _, kept) in zip(dispatches, samples):
+                kept.append(ns)
+        roles: dict[str, dict] = {}
+        for name, buffers, ns in samples:
+            role = roles.setdefault(role_of(library, name), {"dispatches": 0, "us": 0.0, "bytes": 0})
+            role["dispatches"] += 1
+            role["us"] += max(statistics.median(ns) * 1e-9 - empty, 0.0) * 1e6
+            role["bytes"] += bytes_read(model, library, name, buffers, step_context)
+        for role in roles.values():
+            role["gb_s"] = role["bytes"] / (role["us"] * 1e-6) / 1e9 if role["us"] else None
+            role["stream_us"] = role["bytes"] / (stream_gbps * 1e9) * 1e6
+            role["floor_us"] = role["dispatches"] * floor * 1e6
+            # issue #25's bar for a role: within max(2x its bytes at streaming bandwidth, 1.5x its floor)
+            role["target_us"] = max(2 * role["stream_us"], 1.5 * role["floor_us"])
+        results.append({"context": context, "step_context": step_context, "attention": str(choice), "roles": roles,
+                        "profiled_sum_ms": sum(r["us"] for r in roles.values()) / 1e3,
+                        "ordinary_step_gpu_ms": statistics.median(ordinary) if ordinary else None})
+    return {"stream_gbps": stream_gbps, "one_dispatch_floor_us": floor * 1e6, "empty_pass_us": empty * 1e6,
+            "repeats": repeats, "contexts": results}
+
+
+def print_profile(profile: dict) -> None:
+    print(f"profile: streaming read {profile['stream_gbps']:.1f} GB/s; a timed pass with one tiny dispatch "
+          f"{profile['one_dispatch_floor_us']:.2f} us, an empty timed pass {profile['empty_pass_us']:.2f} us "
+          f"(subtracted from each dispatch); median of {profile['repeats']} profiled steps", flush=True)
+    for row in profile["contexts"]:
+        print(f"context {row['context']} (step at {row['step_context']}, {row['attention']}): profiled sum {row['profiled_sum_ms']:.3f} ms, "
+              f"ordinary step GPU {row['ordinary_step_gpu_ms'] or float('nan'):.3f} ms")
+        print(f"  {'role':>20} {'n':>4} {'GPU us':>9} {'MB read':>9} {'GB/s':>8} {'stream us':>9} "
+              f"{'floor us':>9} {'target us':>9}")
+        for name, r in sorted(row["roles"].items(), key=lambda item: -item[1]["us"]):
+            gbs = "-" if r["gb_s"] is None else f"{r['gb_s']:.1f}"
+            print(f"  {name:>20} {r['dispatches']:>4} {r['us']:>9.1f} {r['bytes'] / 1e6:>9.3f} {gbs:>8} "
+                  f"{r['stream_us']:>9.1f} {r['floor_us']:>9.1f} {r['target_us']:>9.1f}", flush=True)
