@@ -109,16 +109,20 @@ class PageDriver:
         if error:
             raise SystemExit(f"the page refused the turn: {error}")
 
-    def reply(self, text: str, max_tokens: int) -> dict:
-        """One chat turn through Send: the reply's speed figures and its decode steps' medians."""
+    def _press(self, button: str, result: str, text: str, max_tokens: int) -> tuple[dict, float]:
+        """Type `text`, press `button` and wait for window.demoState[`result`]: (it, wall seconds)."""
         self.tab.fill("#max-tokens", str(max_tokens))
         self.tab.fill("#prompt", text)
-        self.tab.evaluate("window.demoState.lastReply = null")
+        self.tab.evaluate(f"window.demoState.{result} = null")
         started = time.perf_counter()
-        self.tab.click("#send")
-        self._wait("window.demoState.lastReply")
+        self.tab.click(button)
+        self._wait(f"window.demoState.{result}")
         wall = time.perf_counter() - started
-        reply = self.tab.evaluate("window.demoState.lastReply")
+        return self.tab.evaluate(f"window.demoState.{result}"), wall
+
+    def reply(self, text: str, max_tokens: int) -> dict:
+        """One chat turn through Send: the reply's speed figures and its decode steps' medians."""
+        reply, wall = self._press("#send", "lastReply", text, max_tokens)
         stats = self.tab.evaluate("window.demoState.replies[window.demoState.replies.length - 1].stats")
         return {"prompt_tokens": reply["prompt_tokens"], "tokens": len(reply["token_ids"]),
                 "stop_reason": reply["stop_reason"], "speed": reply["speed"], "wall_s": wall,
@@ -126,14 +130,7 @@ class PageDriver:
 
     def compare(self, text: str, max_tokens: int) -> dict:
         """Compare nests: the verdict, the teacher-forced agreement, the attention past the switch."""
-        self.tab.fill("#max-tokens", str(max_tokens))
-        self.tab.fill("#prompt", text)
-        self.tab.evaluate("window.demoState.lastCompare = null")
-        started = time.perf_counter()
-        self.tab.click("#compare")
-        self._wait("window.demoState.lastCompare")
-        wall = time.perf_counter() - started
-        result = self.tab.evaluate("window.demoState.lastCompare")
+        result, wall = self._press("#compare", "lastCompare", text, max_tokens)
         runs = self.tab.evaluate("window.demoState.replies.filter((r) => r.reply.startsWith('compare'))")
         return {**result, "wall_s": wall,
                 "runs": {r["reply"].split()[-1]: {"speed": r["speed"], **step_medians(r["stats"])} for r in runs}}
