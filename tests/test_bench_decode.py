@@ -5,6 +5,7 @@ import argparse
 
 import pytest
 
+import app.bench.attention as attention_bench
 import app.bench.decode as decode_bench
 from convert.weights import write_random_artifact
 
@@ -54,6 +55,7 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
 
     monkeypatch.setattr(decode_bench, "bench_inputs", inputs)
     monkeypatch.setattr(decode_bench, "profile_contexts", quick_profile)
+    monkeypatch.setattr(attention_bench, "STREAM_WORDS", 1 << 20)  # 4 MiB streamed: enough to check the plumbing
     monkeypatch.setattr(decode_bench, "WARMUP_SECONDS", 0.0)
     monkeypatch.setattr(decode_bench, "WARMUP_PROMPT", 40)
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
