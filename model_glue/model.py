@@ -30,10 +30,18 @@ from model_glue.step_stats import StepStats, stamp_count
 
 
 class PlanKey(NamedTuple):
-    """What fixes the dispatches of a pass: its attention kernels and argmax vs sampler."""
+    """What fixes the dispatches of a pass: its attention kernels (the nest, the layout, whether
+    split: S itself is a per-step value, so a plan and its recording serve every S) and argmax vs
+    sampler."""
 
-    attention: AttentionChoice
+    nest: str
+    layout: str | None
+    split: bool
     greedy: bool
+
+    @classmethod
+    def of(cls, choice: AttentionChoice, greedy: bool) -> "PlanKey":
+        return cls(choice.nest, choice.layout, choice.split, greedy)
 
 
 class LlamaModel:
@@ -175,7 +183,7 @@ class LlamaModel:
         nnz_pages = self._write_inputs(token_ids, start, slots, context)
 
         batch = self.device.batch()
-        key = PlanKey(choice, greedy)
+        key = PlanKey.of(choice, greedy)
         recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
             self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))

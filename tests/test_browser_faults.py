@@ -105,26 +105,31 @@ def test_send_during_a_reply_is_ignored_and_new_chat_stops_it(tab):
     assert tab.input_value("#prompt") == "a second message while the first streams"
 
 
-def test_many_turns_keep_gpu_buffers_and_step_time_flat(tab):
+def test_many_turns_keep_gpu_buffers_plans_and_dispatches_flat(tab):
     """8 turns as 2 conversations of 4 (New chat between them): SwiftShader re-prefills the whole
     conversation every turn, so one long conversation takes minutes here. test_faults.py runs
     20 turns of one conversation natively."""
     # One nest throughout: past 256 tokens `auto` would add the sharded nest's decode plan (once).
     tab.select_option("#attention", "tiled")
-    live, step_ms = [], []
+    live, plans, dispatches, step_ms = [], [], set(), []
     for turn in range(8):
         if turn % 4 == 0:
             tab.click("#new-chat")
         send(tab, f"Turn {turn}: say something.", 4)
         tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
         live.append(tab.evaluate("window.demo.python('session.device.live_buffers')"))
-        steps = tab.evaluate("window.demoState.steps.filter(s => s.kind === 'decode').slice(-3).map(s => s.step_ms)")
-        step_ms.append(sorted(steps)[len(steps) // 2])
+        plans.append(tab.evaluate("window.demo.python('[len(chat.model._plans), len(chat.model._recorded)]')"))
+        steps = tab.evaluate("window.demoState.steps.filter(s => s.kind === 'decode').slice(-3)")
+        dispatches |= {s["dispatches"] for s in steps}
+        step_ms.append(sorted(s["step_ms"] for s in steps)[len(steps) // 2])
     tab.select_option("#attention", "auto")
+    # What would make later steps slower, checked as structure (step times are printed: on a busy
+    # machine they measure the machine): buffers, bound plans and recordings, dispatches a step.
+    print(f"median decode step ms per turn: {[round(t, 1) for t in step_ms]}")
     assert len(history(tab)) == 8  # the last conversation's 4 turns, user and assistant
     assert len(set(live[1:])) == 1, f"live GPU buffers after each turn: {live}"
-    early, late = sorted(step_ms[1:4])[1], sorted(step_ms[-3:])[1]
-    assert late < 2 * early + 20, f"decode step ms grew from {early:.1f} to {late:.1f}: {step_ms}"
+    assert len({tuple(p) for p in plans[1:]}) == 1, f"bound plans and recordings after each turn: {plans}"
+    assert len(dispatches) == 1, f"dispatches per decode step: {sorted(dispatches)}"
 
 
 # -- the GPU device lost in the middle of a reply ---------------------------------------------------------------

@@ -143,16 +143,22 @@ def test_generate_checks_stop_before_every_prefill_chunk(loop, gpu, library, tmp
 
 
 # -- no growth over many turns ----------------------------------------------------------------------------
-def test_twenty_turns_keep_gpu_buffers_and_step_time_flat(loop, artifact_dir):
+def test_twenty_turns_keep_gpu_buffers_plans_and_dispatches_flat(loop, artifact_dir):
     device = open_device(loop)
     library = loop.run_until_complete(KernelLibrary.from_folder(device, artifact_dir))
     chat = load_chat(loop, device, library)
-    live, step_ms = [], []
+    live, plans, dispatches, step_ms = [], [], set(), []
     for turn in range(20):
         result = loop.run_until_complete(chat.reply(f"Turn {turn}: say something.", max_new_tokens=6,
                                                     options=RunOptions(attention="tiled")))
+        decode = [s for s in result["stats"] if s["kind"] == "decode"]
         live.append(device.live_buffers)
-        step_ms.append(statistics.median(s["step_ms"] for s in result["stats"] if s["kind"] == "decode"))
+        plans.append((len(chat.model._plans), len(chat.model._recorded)))
+        dispatches |= {s["dispatches"] for s in decode}
+        step_ms.append(statistics.median(s["step_ms"] for s in decode))
+    # What would make later steps slower, checked as structure (a step's time on a busy machine is
+    # the benchmarks' business, printed here): buffers, bound plans and recordings, dispatches a step.
+    print(f"median decode step ms per turn: {[round(t, 2) for t in step_ms]}")
     assert len(set(live[1:])) == 1, f"live GPU buffers per turn: {live}"
-    early, late = statistics.median(step_ms[1:5]), statistics.median(step_ms[-4:])
-    assert late < 2 * early + 5, f"decode step ms grew from {early:.2f} to {late:.2f}: {step_ms}"
+    assert len(set(plans[1:])) == 1, f"bound plans and recordings per turn: {plans}"
+    assert len(dispatches) == 1, f"dispatches per decode step: {sorted(dispatches)}"

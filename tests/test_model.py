@@ -217,10 +217,23 @@ def test_real_model_logits_match_reference(loop, smollm2):
 def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_library, tiny_dir):
     model = load(loop, gpu, test_library, tiny_dir, "float32")
     loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, options=RunOptions(attention="tiled")))
-    plan = model._plans[PlanKey(AttentionChoice("tiled"), greedy=True)]
+    plan = model._plans[PlanKey.of(AttentionChoice("tiled"), greedy=True)]
     attention = model.attention.tiled
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
     assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform
+
+
+def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_dir):
+    """S is a per-step value: decode steps at S=2 and S=4 share one bound plan and one recording
+    (a plan per S would re-bind every pass each time the host's rule doubles S)."""
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
+    for layout in ("shards:2", "shards:4"):
+        run = loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=4,
+                                               options=RunOptions(attention="sharded", layout=layout)))
+        assert {s.kernel for s in run.stats if s.kind == "decode"} == {f"shards S={layout[-1]}"}
+    key = PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True)
+    assert key == PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True)
+    assert [k for k in model._plans if k.nest == "sharded"] == [key] and key in model._recorded
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):

@@ -192,7 +192,7 @@ def test_stream_decoder_holds_back_partial_utf8(tok):
     assert all("\ufffd" not in c for c in chunks)
 
 
-def test_encode_speed(tok):
+def test_encode_runs_bpe_once_per_distinct_pre_token(tok):
     rng = random.Random(7)
     words = ["the", "tokenizer", "Ünïcödé", "中文", "12345", "x=y+1;", "\n    ", "it's", "🙂", "Привет"]
     text = " ".join(rng.choice(words) for _ in range(800))[:5000]
@@ -203,8 +203,14 @@ def test_encode_speed(tok):
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": True},
             {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}}))
+    # What keeps a long prompt's encoding cheap, checked as structure (the time is printed: on a busy
+    # machine it measures the machine): BPE runs once per distinct pre-token, never again for a repeat.
+    words = fresh._split(text)
+    merged = []
+    bpe = fresh._bpe
+    fresh._bpe = lambda word: merged.append(word) or bpe(word)
     start = time.perf_counter()
     ids = fresh.encode(text)
-    elapsed = time.perf_counter() - start
+    print(f"encoding {len(text)} characters took {time.perf_counter() - start:.3f} s")
     assert ids == tok.encode(text)
-    assert elapsed < 0.5, f"encoding {len(text)} characters took {elapsed:.3f} s"
+    assert len(merged) == len(set(merged)) <= len(set(words)) < len(words) / 4, (len(merged), len(words))
