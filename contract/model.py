@@ -34,6 +34,9 @@ class LlamaConfig:
     vocab_size: int
     rope_theta: float
     rms_eps: float
+    # The LM head reads the embedding (tied, SmolLM2, Llama-3.2-1B) or a matrix of its own (Llama-3.1-8B);
+    # both are Q8 of the same shape, so the kernels are the same and only the bound tensor differs.
+    tied_embeddings: bool = True
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
@@ -60,15 +63,98 @@ MODEL_CONFIGS = {
     "tiny_chat": LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
                              vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),
 }
+# The shapes of widely run Llama models, served as kernels only: their weights are filled on the GPU
+# with random values (model_glue.synthetic, `?model=synthetic:llama-3.1-8b`), so the seed's experiment
+# runs as a whole model with nothing to download. Their attention shapes are benchmark shapes
+# (BENCH_SHAPES). f16 only (SYNTHETIC_DTYPES): no CPU rasterizer runs an 8B model.
+SYNTHETIC_CONFIGS = {
+    "llama_3_2_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5),
+    "llama_3_1_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, tied_embeddings=False),
+}
+SYNTHETIC_DTYPES = ("float16",)
+
+
+# The names people call them by (`?model=synthetic:llama-3.1-8b`, `--shape llama-3.1-8b`).
+SYNTHETIC_NAMES = {"llama-3.2-1b": "llama_3_2_1b", "llama-3.1-8b": "llama_3_1_8b"}
+
+
+def synthetic_config_name(name: str) -> str:
+    """'llama-3.1-8b' (or 'llama_3_1_8b', or any contract config's name: tests fill tiny ones) ->
+    'llama_3_1_8b'; KeyError names the known shapes."""
+    key = SYNTHETIC_NAMES.get(name, name)
+    if key not in SYNTHETIC_CONFIGS and key not in ALL_MODEL_CONFIGS:
+        raise KeyError(f"no synthetic shape {name!r} (known: {', '.join(SYNTHETIC_NAMES)})")
+    return key
+
+
 # A tiny random-weight model for fast native tests, built by the same code paths. Its kernels are
 # in the tests' artifact only (kernels.catalog.test_recipes), never served.
 TEST_MODEL_CONFIGS = {
     "tiny_llama": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                               vocab_size=512, rope_theta=10000.0, rms_eps=1e-5),
 }
-ALL_MODEL_CONFIGS = {**MODEL_CONFIGS, **TEST_MODEL_CONFIGS}
+ALL_MODEL_CONFIGS = {**MODEL_CONFIGS, **SYNTHETIC_CONFIGS, **TEST_MODEL_CONFIGS}
+# The context a model was trained for when its file does not say (SmolLM2's GGUF says 8,192); random and
+# synthetic models get it too. A run may ask for less (model_glue.options.RunOptions.max_context).
+DEFAULT_CONTEXT_LENGTH = 8192
 
 # Decode attention shapes the served artifact holds kernels for, besides the models' own.
 # Benchmarks: D=64 8/32, D=128 8/32 (Llama-3.1-8B), D=256 4/8.
 BENCH_SHAPES = [AttentionShape(8, 32, 64), AttentionShape(8, 32, 128), AttentionShape(4, 8, 256)]
 MODEL_SHAPES = [config.attention_shape for config in MODEL_CONFIGS.values()]
+
+
+# -- a model's tensors, as the artifact stores them and the runtime binds them -------------------------
+QUANT_BLOCK = 32  # weights per Q4_1 / Q8_0 block (one scale, and for Q4_1 one min)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight tensor (convert/weights.py documents the packing). `role` says what it holds:
+    "q4" (4-bit codes, 8 a u32 word), "q4_scale" / "q4_min" (a block's constants), "q8" (signed
+    bytes, 4 a word), "q8_scale", "norm" (an RMSNorm weight, f32)."""
+
+    name: str
+    dtype: str  # "uint32" or "float32"
+    shape: tuple[int, ...]
+    role: str
+
+    @property
+    def nbytes(self) -> int:
+        count = 4
+        for extent in self.shape:
+            count *= extent
+        return count
+
+
+def q4_matrices(c: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(rows, columns) of each layer's fused Q4 matrix: rows are output features."""
+    return {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
+            "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
+
+
+def model_tensors(c: LlamaConfig) -> list[TensorSpec]:
+    """Every tensor of a model, in the artifact's file order: the Q8 embedding, each layer's norms and
+    Q4 matrices, the final norm, and the LM head's own Q8 matrix where it is not tied."""
+    def q8(name):
+        return [TensorSpec(f"{name}.q8", "uint32", (c.vocab_size, c.dim // 4), "q8"),
+                TensorSpec(f"{name}.scale", "float32", (c.vocab_size, c.dim // QUANT_BLOCK), "q8_scale")]
+
+    tensors = q8("embed")
+    for layer in range(c.n_layers):
+        p = f"layers.{layer}"
+        tensors += [TensorSpec(f"{p}.attn_norm", "float32", (c.dim,), "norm"),
+                    TensorSpec(f"{p}.ffn_norm", "float32", (c.dim,), "norm")]
+        for matrix, (rows, cols) in q4_matrices(c).items():
+            tensors += [TensorSpec(f"{p}.{matrix}.q4", "uint32", (rows, cols // 8), "q4"),
+                        TensorSpec(f"{p}.{matrix}.scale", "float32", (rows, cols // QUANT_BLOCK), "q4_scale"),
+                        TensorSpec(f"{p}.{matrix}.min", "float32", (rows, cols // QUANT_BLOCK), "q4_min")]
+    tensors.append(TensorSpec("final_norm", "float32", (c.dim,), "norm"))
+    return tensors + ([] if c.tied_embeddings else q8("head"))
+
+
+def head_tensor(c: LlamaConfig) -> str:
+    """The Q8 matrix the LM head reads: the embedding when tied."""
+    return "embed" if c.tied_embeddings else "head"

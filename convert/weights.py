@@ -37,11 +37,7 @@ import numpy as np
 from convert.gguf_fields import gguf_field, open_gguf
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
-from contract.model import ALL_MODEL_CONFIGS, LlamaConfig
-
-# The context a model was trained for, when its GGUF does not say (SmolLM2's says 8,192); random
-# artifacts get it too. A run may ask for less (model_glue.options.RunOptions.max_context).
-DEFAULT_CONTEXT_LENGTH = 8192
+from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig
 
 ALIGN = 256
 QBLOCK = 32  # elements per Q4_1 / Q8_0 block
@@ -433,6 +429,9 @@ def _iter_random_artifact(config: LlamaConfig, seed: int) -> Iterator[tuple[str,
             rows, cols = sum(r for r, _ in parts), parts[0][1]
             yield from q4_tensors(f"{p}.{mat}", *_random_q4(rng, rows, cols))
     yield "final_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    if not config.tied_embeddings:  # the head's own matrix, like the embedding's
+        yield "head.q8", pack_q8(rng.integers(-127, 128, size=(vocab, d), dtype=np.int8))
+        yield "head.scale", scale
 
 
 def write_random_artifact(config_name: str, out_dir, seed: int = 0) -> dict:

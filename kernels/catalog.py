@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
 from contract.kernels import (TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec,
                               llama_kernels, model_kernel_name)
-from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, TEST_MODEL_CONFIGS,
-                            AttentionShape, LlamaConfig)
+from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
+                            SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
 from kernels import llama
 from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
+from kernels.random_fill import random_q4_blocks, random_uniform, random_words
 
 # Builders by name (a recipe names its builder, so recipes stay picklable for the build's process
 # pool). The sharded family's layouts name theirs in contract.attention.LAYOUTS ("module:function").
@@ -36,6 +37,7 @@ BUILDERS = {
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
+    "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
 }
 PROBE_BUFFERS = {"row_sum_probe": ("x", "out"), "stream_read_probe": ("x", "partial")}
 
@@ -69,6 +71,12 @@ class KernelRecipe:
 
 def probe_recipe(builder: str, name: str) -> KernelRecipe:
     return KernelRecipe(name, builder, (), {"kind": "probe"}, PROBE_BUFFERS[builder])
+
+
+def fill_recipes() -> list[KernelRecipe]:
+    """The GPU fills of a synthetic model's weights (model_glue.synthetic.FILL_KERNELS)."""
+    return [KernelRecipe(name, name, (), {"kind": "fill"}, ("scale", "wmin") if name == "random_q4_blocks" else ("out",))
+            for name in ("random_words", "random_uniform", "random_q4_blocks")]
 
 
 def attention_recipe(spec: AttentionSpec, builder: str, meta: dict | None = None, *, options: dict | None = None,
@@ -154,6 +162,10 @@ def all_recipes() -> list[KernelRecipe]:
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)
+    for name, config in SYNTHETIC_CONFIGS.items():  # their attention shapes are benchmark shapes
+        for dtype in SYNTHETIC_DTYPES:
+            recipes += llama_recipes(name, config, dtype)
+    recipes += fill_recipes()
     unique = {r.name: r for r in recipes}  # shapes may repeat across lists
     return list(unique.values())
 
@@ -262,5 +274,12 @@ def test_recipes() -> list[KernelRecipe]:
             recipes += attention_recipes(config.attention_shape, dtype)
             recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
             recipes += llama_recipes(name, config, dtype)
+    # the synthetic shapes, one layer of each (tests/test_synthetic.py), and the fills
+    for name, config in SYNTHETIC_CONFIGS.items():
+        recipes += attention_recipes(config.attention_shape, "float16", layouts=("subgroup",),
+                                     build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
+        recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))
+        recipes += llama_recipes(name, config, "float16")
+    recipes += fill_recipes()
     unique = {r.name: r for r in recipes}
     return list(unique.values())

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
 from contract.kernels import SPLIT_WORKSPACE
+from contract.model import head_tensor
 from model_glue.attention import attention_call, attention_dispatches
 from model_glue.kernel import DispatchPlan
 from model_glue.step_stats import PassStamps
@@ -171,7 +172,8 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
     if n > 1:
         enc.batch.copy(x, (n - 1) * c.dim * m.esize, buf["last"], 0, c.dim * m.esize)
         last = buf["last"]
-    head = {"w": w["embed.q8"], "scale": w["embed.scale"], "y": buf["logits"]}  # the tied embedding, q8
+    head_matrix = head_tensor(c)  # the tied embedding or the head's own matrix, q8
+    head = {"w": w[f"{head_matrix}.q8"], "scale": w[f"{head_matrix}.scale"], "y": buf["logits"]}
     with enc.timed(None, stamps.pass_end):
         if m.run.fold_norms:
             enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, {"n": 1})

@@ -7,12 +7,14 @@ before it reads the weights, then hands a ready `LlamaModel` back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
 from contract.kernels import llama_kernels, model_kernel_name
-from contract.model import ALL_MODEL_CONFIGS, DTYPE_BYTES, LlamaConfig
+from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
+                            LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
 from model_glue.errors import ModelError
 from model_glue.kernel import unmet_limits
@@ -20,6 +22,7 @@ from model_glue.kv_cache import PagedKVCache
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
 from model_glue.scratch import scratch_sizes
+from model_glue.synthetic import fill_synthetic_weights
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 
@@ -41,19 +44,8 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
                          "with `make setup`")
     config_name = manifest.get("config_name")
     config = _checked_config(config_name, manifest["config"])
-    options = options.resolved(is_cpu=device.is_cpu, context_length=manifest["context_length"])
-    dtype = dtype or ("float16" if device.has_f16 else "float32")
-    if dtype == "float16" and not device.has_f16:
-        raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
-    names = _kernel_names(library, config_name, config, dtype)
-    attention = _attention_kernels(library, config, dtype, device)
-    esize = DTYPE_BYTES[dtype]
-    _check_limits(device, library, list(names.values()) + [attention.tiled, attention.prefill], {
-        "the largest weight tensor": max(t["nbytes"] for t in manifest["tensors"].values()),
-        "one layer's KV cache": PagedKVCache.layer_bytes(config, esize, options.max_context),
-        "the largest activation buffer": max(scratch_sizes(config, esize, options.prefill_chunk,
-                                                           options.max_context).values()),
-    })
+    tensor_bytes = {name: t["nbytes"] for name, t in manifest["tensors"].items()}
+    loader = _Loader(device, library, config_name, config, options, dtype, manifest["context_length"], tensor_bytes)
     progress(f"reading weights ({manifest['total_bytes'] / 2**20:.0f} MiB)")
     try:
         blob = await read_bytes(manifest["weights_file"])
@@ -72,13 +64,64 @@ async def load_model(device, library, read_text, read_bytes, *, options: RunOpti
         if check_tensors and hashlib.sha256(data).hexdigest() != t["sha256"]:
             raise ModelError(f"tensor {name} is corrupted (sha256 mismatch); rebuild the artifact")
         weights[name] = device.storage_buffer(t["nbytes"], data)
-    progress("compiling kernels")
-    model = LlamaModel(device, library, config, config_name, dtype, weights, names, attention, options)
-    await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
-    if options.warm_up:
-        progress("binding the passes")
-        await warm_up(model)
-    return model
+    return await loader.finish(weights, progress)
+
+
+async def load_synthetic_model(device, library, name: str, *, options: RunOptions = RunOptions(),
+                               dtype: str | None = None, seed: int = 0, overrides: dict | None = None,
+                               progress=lambda message: None) -> LlamaModel:
+    """A model of a contract shape (contract.model.SYNTHETIC_CONFIGS, e.g. "llama-3.1-8b", or any other
+    config of the contract) whose weights are random values filled on the GPU (model_glue.synthetic):
+    the shape's real speed, nothing to download. `overrides` change config fields the kernels do not
+    depend on (tests: {"n_layers": 1}, {"tied_embeddings": False})."""
+    try:
+        config_name = synthetic_config_name(name)
+    except KeyError as err:
+        raise ModelError(err.args[0]) from err
+    config = ALL_MODEL_CONFIGS[config_name]
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    dtype = dtype or ("float16" if device.has_f16 else "float32")
+    if config_name in SYNTHETIC_CONFIGS and dtype not in SYNTHETIC_DTYPES:
+        raise ModelError(f"the {name} shape's kernels are built for {', '.join(SYNTHETIC_DTYPES)} only, and this "
+                         f"adapter ({device.adapter_name}) has no shader-f16")
+    loader = _Loader(device, library, config_name, config, options, dtype, DEFAULT_CONTEXT_LENGTH,
+                     {t.name: t.nbytes for t in model_tensors(config)})
+    weights = await fill_synthetic_weights(device, library, config, seed, progress)
+    return await loader.finish(weights, progress)
+
+
+class _Loader:
+    """What both ways in share: the checks made before any weight reaches the GPU (kernels present,
+    adapter limits), then the model itself, its pipelines and its warm-up."""
+
+    def __init__(self, device, library, config_name: str, config: LlamaConfig, options: RunOptions,
+                 dtype: str | None, context_length: int, tensor_bytes: dict[str, int]):
+        self.device, self.library, self.config_name, self.config = device, library, config_name, config
+        self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
+        self.dtype = dtype or ("float16" if device.has_f16 else "float32")
+        if self.dtype == "float16" and not device.has_f16:
+            raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
+        self.names = _kernel_names(library, config_name, config, self.dtype)
+        self.attention = _attention_kernels(library, config, self.dtype, device)
+        esize = DTYPE_BYTES[self.dtype]
+        _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
+            "the largest weight tensor": max(tensor_bytes.values()),
+            "one layer's KV cache": PagedKVCache.layer_bytes(config, esize, self.options.max_context),
+            "the largest activation buffer": max(scratch_sizes(config, esize, self.options.prefill_chunk,
+                                                               self.options.max_context).values()),
+        })
+
+    async def finish(self, weights: dict, progress) -> LlamaModel:
+        progress("compiling kernels")
+        options = self.options
+        model = LlamaModel(self.device, self.library, self.config, self.config_name, self.dtype, weights,
+                           self.names, self.attention, options)
+        await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
+        if options.warm_up:
+            progress("binding the passes")
+            await warm_up(model)
+        return model
 
 
 async def warm_up(model: LlamaModel) -> None:

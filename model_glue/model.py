@@ -284,6 +284,15 @@ class LlamaModel:
         self.kv.truncate(length)
         del self.cached_ids[length:]
 
+    def release(self) -> None:
+        """Free the model's GPU memory now (weights, KV cache, activations, plans); the model is unusable
+        after. A page that loads another model drops the whole device instead."""
+        self._drop_plans()
+        for buffer in [*self.weights.values(), *self.kv.layers, *self.buffers.values()]:
+            self.device.destroy(buffer)
+        self.weights, self.kv.layers = {}, []
+        self.buffers.clear()
+
     async def read_logits(self) -> bytes:
         """The last pass's logits as raw f32 bytes (tests compare them with a reference)."""
         return await self.device.read(self.buffers["logits"], 4 * self.config.vocab_size)

@@ -105,7 +105,8 @@ class ReferenceLlama:
             x = x + self._attention(i, rms_norm(x, self.w[f"layers.{i}.attn_norm"], eps), positions)
             x = x + self._ffn(i, rms_norm(x, self.w[f"layers.{i}.ffn_norm"], eps))
         x = rms_norm(x, self.w["final_norm"], eps)
-        return (x.astype(np.float32) @ self.w["embed"].T).astype(np.float64)  # tied LM head
+        head = self.w.get("head", self.w["embed"])  # the tied embedding unless the model has its own
+        return (x.astype(np.float32) @ head.T).astype(np.float64)
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_ids=()) -> list[int]:
         """Greedy continuation of `prompt_ids` from an empty cache; stops after a stop id (included)."""
