@@ -9,6 +9,7 @@ from pathlib import Path
 
 from contract.attention import NEST_CHOICES
 from contract.kernels import MAX_TOP_K
+from contract.model import SYNTHETIC_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
     dec.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     dec.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto")
     dec.add_argument("--synthetic", action="store_true", help="random weights of SmolLM2's shape")
+    dec.add_argument("--shape", choices=sorted(SYNTHETIC_NAMES),
+                     help="a synthetic model of this shape instead, its random weights filled on the GPU")
     dec.add_argument("--sample", action="store_true",
                      help="also time auto with GPU sampling (top-k 40, top-p 0.95) instead of the argmax")
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)

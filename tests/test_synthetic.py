@@ -13,7 +13,6 @@ import pytest
 
 from contract.model import ALL_MODEL_CONFIGS, SYNTHETIC_CONFIGS, model_tensors, synthetic_config_name
 from convert.weights import dequant_q4, dequant_q8
-from kernels.random_fill import STRIDE
 from model_glue.errors import ModelError
 from model_glue.generate import generate
 from model_glue.loading import load_synthetic_model
@@ -47,7 +46,9 @@ def test_fill_kernels_match_numpy(loop, gpu, test_library):
     """Lengths below, at and past the grid's stride; a seed with its top bit set in u32 arithmetic."""
     words, uniform, blocks = loop.run_until_complete(test_library.kernels(
         ["random_words", "random_uniform", "random_q4_blocks"]))
-    for n, seed in ((1000, 7), (STRIDE, 123456789), (STRIDE + 777, 2_000_000_011)):
+    spec = words.spec  # the grid's stride: every invocation of the fixed grid, once
+    stride = spec.grid[0] * spec.invocations
+    for n, seed in ((1000, 7), (stride, 123456789), (stride + 777, 2_000_000_011)):
         out, other = gpu.storage_buffer(4 * n), gpu.storage_buffer(4 * n)
         batch = gpu.batch()
         for kernel, buffers, values in ((words, {"out": out}, {"n": n, "seed": seed}),):

@@ -5,7 +5,8 @@ For each context C: the model is reset and `generate` runs a C-token prompt: the
 then --steps pipelined greedy decode steps (tokens/s from their wall time; per step the host's
 encode time, the GPU time of the whole pass and of attention from GPU timestamps, dispatches).
 The prompt is random token ids: throughput does not depend on the text. `--synthetic` writes
-random weights of SmolLM2's shape (for machines without the converted model). `--profile` adds,
+random weights of SmolLM2's shape (for machines without the converted model); `--shape llama-3.1-8b`
+(or llama-3.2-1b) runs a synthetic model of that shape, its weights filled on the GPU. `--profile` adds,
 per context, where one decode step's GPU time goes by kernel role (app/bench/profile.py).
 """
 
@@ -15,11 +16,9 @@ import json
 import random
 import time
 
-from app.bench.inputs import bench_inputs
+from app.bench.inputs import bench_model
 from app.bench.profile import print_profile, profile_contexts
-from model_glue.artifact import folder_readers
 from model_glue.generate import GREEDY, Sampling, generate
-from model_glue.loading import load_model
 from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
@@ -28,13 +27,10 @@ WARMUP_NEW_TOKENS = 16
 
 
 async def run_decode_bench(args) -> dict:
-    device, library, model_dir, weights = await bench_inputs(args)
-    read_text, read_bytes = folder_readers(model_dir)
     # The KV cache holds the longest of: each context's prompt and the steps + 1 tokens it generates
     # (the run asks for steps + 1: the first comes from the prefill), and the warm-up's own run.
     max_context = max(max(args.contexts) + args.steps + 1, WARMUP_PROMPT + WARMUP_NEW_TOKENS)
-    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max_context),
-                             dtype=None if args.dtype == "auto" else args.dtype)
+    device, library, model, weights = await bench_model(args, RunOptions(max_context=max_context))
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
           f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}", flush=True)

@@ -27,3 +27,22 @@ async def bench_inputs(args, tokenizer: bool = False):
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             shutil.copy(Path(args.model) / name, model_dir / name)
     return device, library, model_dir, "synthetic SmolLM2-shaped"
+
+
+async def bench_model(args, options, tokenizer: bool = False):
+    """(device, library, loaded model, its label): the model of `bench_inputs`, or with --shape NAME a
+    synthetic model of that contract shape whose weights are filled on the GPU (model_glue.synthetic)."""
+    from model_glue.artifact import folder_readers
+    from model_glue.loading import load_model, load_synthetic_model
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    if getattr(args, "shape", None):
+        device = await WgpuDevice.open()
+        library = await KernelLibrary.from_folder(device, args.kernels)
+        model = await load_synthetic_model(device, library, args.shape, options=options, dtype=dtype,
+                                           progress=lambda message: print(message, flush=True))
+        return device, library, model, f"synthetic {args.shape} (random weights filled on the GPU)"
+    device, library, model_dir, label = await bench_inputs(args, tokenizer)
+    read_text, read_bytes = folder_readers(model_dir)
+    model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype)
+    return device, library, model, label
