@@ -227,8 +227,13 @@ TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, sw
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
 
 
+# The decode matmul (kernels.llama.quantized_matmul) on rows long enough for 4 words a lane a trip.
+TEST_DECODE_MATMULS = {"long_norm_swiglu": (64, 2048, False, True, True), "long_residual": (40, 4096, True, False, False)}
+
+
 def prefill_matmul_test_name(flags: str, dtype: str) -> str:
-    return f"test_prefill_matmul_{flags}_{DTYPE_TAGS[dtype]}"
+    prefix = "test_decode_matmul" if flags in TEST_DECODE_MATMULS else "test_prefill_matmul"
+    return f"{prefix}_{flags}_{DTYPE_TAGS[dtype]}"
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -245,9 +250,10 @@ def grid_shape(head_dim: int, group: int) -> AttentionShape:
 
 
 def test_matmul_spec(flags: str, dtype: str) -> MatmulSpec:
-    out_features, in_features, residual, norm, swiglu = TEST_PREFILL_MATMULS[flags]
+    decode = flags in TEST_DECODE_MATMULS
+    out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, residual=residual, norm_eps=1e-5 if norm else None,
-                      swiglu=swiglu, tiled=True)
+                      swiglu=swiglu, tiled=not decode)
 
 
 def test_recipes() -> list[KernelRecipe]:
@@ -262,7 +268,7 @@ def test_recipes() -> list[KernelRecipe]:
         recipes += attention_recipes(shape, dtype, window, layouts=layouts,
                                      build_params={"builds": subgroup_builds_for_tests(shape)})
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
-    for flags in TEST_PREFILL_MATMULS:
+    for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
             spec = test_matmul_spec(flags, dtype)
             recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype), spec.builder, spec.args,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from convert.weights import dequant_q4, pack_q4
-from kernels.catalog import TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name
+from kernels.catalog import TEST_DECODE_MATMULS, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name
 from kernels.prefill_attention import prefill_layout
 from contract.kernels import PAGE_SIZE, AttentionSpec
 from attention_reference import relative_l2
@@ -114,19 +114,21 @@ def random_q4(rng, rows, cols):
     return pack_q4(codes), scale, minv
 
 
-@pytest.mark.parametrize("flags", list(TEST_PREFILL_MATMULS))
+@pytest.mark.parametrize("flags", [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
-    """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile."""
+    """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile (the tiled
+    prefill matmul), and the decode matmul on rows of 2,048 and 4,096 weights (4 words a lane a trip)."""
     skip_without_f16(gpu, dtype)
-    out_features, in_features, residual, norm, swiglu = TEST_PREFILL_MATMULS[flags]
+    decode = flags in TEST_DECODE_MATMULS
+    out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype)))
     rng = np.random.default_rng(len(flags))
     words, scale, minv = random_q4(rng, out_features, in_features)
     w = dequant_q4(words, scale, minv).astype(np.float64)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32)
     columns = out_features // 2 if swiglu else out_features
-    for n in (1, 37, 128, 300):
+    for n in ((1, 2) if decode else (1, 37, 128, 300)):
         x = rng.standard_normal((n, in_features)).astype(NP_DTYPE[dtype])
         resid = rng.standard_normal((n, columns)).astype(NP_DTYPE[dtype])
         xf = x.astype(np.float64)
