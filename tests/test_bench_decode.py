@@ -7,6 +7,7 @@ import pytest
 
 import app.bench.attention as attention_bench
 import app.bench.decode as decode_bench
+import app.bench.inputs as bench_inputs
 from convert.weights import write_random_artifact
 
 
@@ -19,10 +20,10 @@ def tiny_folder(tmp_path_factory):
 
 def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_library, test_artifact_dir, tiny_folder,
                                                               monkeypatch):
-    async def inputs(args):  # the session's device and test kernels instead of opening new ones
+    async def inputs(args, tokenizer=False):  # the session's device and test kernels instead of opening new ones
         return gpu, test_library, args.model, "tiny_llama"
 
-    monkeypatch.setattr(decode_bench, "bench_inputs", inputs)
+    monkeypatch.setattr(bench_inputs, "bench_inputs", inputs)
     monkeypatch.setattr(decode_bench, "WARMUP_SECONDS", 0.0)  # one warm-up round
     # A shorter warm-up than the bench's 300 + 16 tokens (lavapipe prefills ~100 tokens/s), still
     # longer than the context + steps: the warm-up's run sizes the cache. (Before the fix the cache
@@ -45,7 +46,7 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     if not gpu.has_timestamps:
         pytest.skip("the adapter has no timestamp-query")
 
-    async def inputs(args):
+    async def inputs(args, tokenizer=False):
         return gpu, test_library, args.model, "tiny_llama"
 
     real = decode_bench.profile_contexts
@@ -53,7 +54,7 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     async def quick_profile(model, device, library, contexts, repeats):  # fewer timing calls on a CPU
         return await real(model, device, library, contexts, repeats, iters=2)
 
-    monkeypatch.setattr(decode_bench, "bench_inputs", inputs)
+    monkeypatch.setattr(bench_inputs, "bench_inputs", inputs)
     monkeypatch.setattr(decode_bench, "profile_contexts", quick_profile)
     monkeypatch.setattr(attention_bench, "STREAM_WORDS", 1 << 20)  # 4 MiB streamed: enough to check the plumbing
     monkeypatch.setattr(decode_bench, "WARMUP_SECONDS", 0.0)
