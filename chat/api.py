@@ -53,6 +53,9 @@ CALLS = (
     # fetches the weights through the browser's cache first, then loads the model (the result: chat_info)
     Call("openChat", "open_chat", args=("base", "options", "weights"), events=("weights", "fetched", "progress"),
          worker=True),
+    # a synthetic model of a contract shape, its weights filled on the GPU (the result: chat_info)
+    Call("openSyntheticChat", "open_synthetic_chat", handles=("session",), args=("shape", "tokenizerBase", "options"),
+         events=("progress",), worker=True),
     Call("reply", "chat_reply", handles=("chat",), args=("text", "request"), events=("text", "step", "prefill")),
     Call("compare", "chat_compare", handles=("chat",), args=("text", "request"), events=("progress",)),
     Call("stop", "stop_reply", handles=("chat",)),  # answered while a reply awaits the GPU

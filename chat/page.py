@@ -120,6 +120,16 @@ async def open_chat(session: Session, base_url: str, progress, options: str, wei
                                   verified_sha256=weights_sha256)
 
 
+async def open_synthetic_chat(session: Session, shape: str, tokenizer_base: str, options: str, progress):
+    """A synthetic model of `shape` (e.g. "llama-3.1-8b": `?model=synthetic:llama-3.1-8b`), its random
+    weights filled on the GPU, behind the tokenizer served under tokenizer_base: nothing to download."""
+    from chat.session import ChatSession
+    from model_glue.options import RunOptions
+
+    return await ChatSession.load_synthetic(session.device, session.library, shape, http_readers(tokenizer_base),
+                                            options=RunOptions.from_json(options), progress=progress)
+
+
 def chat_info(chat) -> str:
     """What the page shows of a loaded model (JSON): the applied options (the context the KV cache
     really holds) and the dtype. The runtime's constants reach the page through chat/api.py."""

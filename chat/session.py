@@ -15,7 +15,7 @@ from contract.attention import NESTS
 from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
 from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
-from model_glue.loading import load_model
+from model_glue.loading import load_model, load_synthetic_model
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
 from model_glue.tokenizer import BPETokenizer, format_chat
@@ -43,6 +43,23 @@ class ChatSession:
             raise ModelError(f"cannot load the tokenizer: {err}") from err
         model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype,
                                  progress=progress, verified_sha256=verified_sha256)
+        return cls(model, tokenizer)
+
+    @classmethod
+    async def load_synthetic(cls, device, library, shape: str, tokenizer_readers, *, options: RunOptions = RunOptions(),
+                             progress=lambda m: None):
+        """A synthetic model of a contract shape (model_glue.loading.load_synthetic_model: random weights
+        filled on the GPU) behind the served model's tokenizer: its text is noise, its speed the shape's.
+        Ids past the tokenizer's vocabulary decode as "<id N>"."""
+        read_text, _ = tokenizer_readers
+        progress("loading the tokenizer")
+        try:
+            tokenizer = BPETokenizer.from_json(await read_text(TOKENIZER_FILE),
+                                               json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot load the tokenizer: {err}") from err
+        tokenizer.show_unknown_ids = True
+        model = await load_synthetic_model(device, library, shape, options=options, progress=progress)
         return cls(model, tokenizer)
 
     def request_stop(self) -> None:

@@ -91,6 +91,10 @@ class BPETokenizer:
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
                  *, individual_digits: bool = True, add_prefix_space: bool = False,
                  eos_id: int | None = None, im_end_id: int | None = None, bos_id: int | None = None):
+        # A model whose vocabulary is larger than this tokenizer's (a synthetic Llama-3 shape behind
+        # SmolLM2's tokenizer: 128,256 ids against 49,152) may emit ids it has no text for; with
+        # `show_unknown_ids` they decode as "<id 123456>" instead of raising.
+        self.show_unknown_ids = False
         self.vocab = vocab
         self.id_to_token_list: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
         for tok, i in vocab.items():
@@ -338,6 +342,9 @@ class BPETokenizer:
                 continue
             tok = table[i] if 0 <= i < len(table) else None
             if tok is None:
+                if self.show_unknown_ids:
+                    out += f"<id {i}>".encode()
+                    continue
                 raise ValueError(f"token id {i} is out of the vocabulary")
             for ch in tok:
                 out.append(byte_decoder[ch])

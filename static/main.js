@@ -18,8 +18,13 @@ const params = new URLSearchParams(location.search);
 // ?context=N asks for a KV cache of N tokens (the page shows what the model applied).
 const REQUESTED_CONTEXT = Number(params.get("context") || 4096);
 // ?model=tiny_chat loads random weights behind the same tokenizer (fast page tests on CPU WebGPU).
+// ?model=synthetic:llama-3.1-8b (or llama-3.2-1b) runs that shape with random weights filled on the
+// GPU, behind SmolLM2's tokenizer: the shape's real speed with nothing to download.
 const MODEL = params.get("model") || "smollm2";
-const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M" : `${MODEL} (random weights)`;
+const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:".length) : null;
+const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
+  : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
+  : `${MODEL} (random weights)`;
 // ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 watchLongTasks();
@@ -79,6 +84,13 @@ async function openSession(python) {
 // checks their sha256, while this thread shows a progress bar; then Python checks every tensor and
 // uploads it.
 async function loadChat(python) {
+  if (SYNTHETIC_SHAPE) {
+    state.info = JSON.parse(await python.call("openSyntheticChat", {
+      shape: SYNTHETIC_SHAPE, tokenizerBase: new URL("./artifacts/smollm2", location.href).href,
+      options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
+    }, { progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
+    return;
+  }
   const base = new URL(`./artifacts/${MODEL}`, location.href).href;
   const response = await fetch(`${base}/manifest.json`);
   if (!response.ok) {
@@ -177,7 +189,7 @@ async function boot() {
   }
 
   state.ready = true;  // the device and kernels: the model follows
-  if (!/^[a-z0-9_]+$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
+  if (!/^([a-z0-9_]+|synthetic:[a-z0-9_.-]+)$/.test(MODEL)) { fail(`Unknown model "${MODEL}".`); return; }
   step(`Loading ${MODEL_LABEL}…`);
   await loadChat(python);
   await setUpLab(app);

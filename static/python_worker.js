@@ -77,6 +77,16 @@ const own = {
     handles.chat = chat;
     return page.chat_info(chat);
   },
+
+  // A synthetic model of a contract shape: its weights are filled on the GPU (nothing to fetch or
+  // cache); the tokenizer comes from tokenizerBase.
+  async openSyntheticChat(id, { shape, tokenizerBase, options }) {
+    const chat = await page.open_synthetic_chat(handles.session, shape, tokenizerBase, options,
+      (message) => post(id, "progress", message));
+    if (handles.chat) page.carry_over(handles.chat, chat);
+    handles.chat = chat;
+    return page.chat_info(chat);
+  },
 };
 
 // The declaration and this file agree, or the worker refuses to start (every call then fails).

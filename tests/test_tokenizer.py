@@ -214,3 +214,18 @@ def test_encode_runs_bpe_once_per_distinct_pre_token(tok):
     print(f"encoding {len(text)} characters took {time.perf_counter() - start:.3f} s")
     assert ids == tok.encode(text)
     assert len(merged) == len(set(merged)) <= len(set(words)) < len(words) / 4, (len(merged), len(words))
+
+
+def test_ids_past_the_vocabulary_are_refused_or_shown(tok):
+    """A synthetic Llama-3 shape (128,256 ids) behind this 49,152-id tokenizer emits ids it has no
+    text for: refused by default, shown as "<id N>" when the session asks (chat.session.load_synthetic)."""
+    ids = tok.encode("Hi") + [tok.vocab_size + 77]
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        tok.decode(ids)
+    tok.show_unknown_ids = True
+    try:
+        assert tok.decode(ids) == f"Hi<id {tok.vocab_size + 77}>"
+        stream = tok.stream_decoder()
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == f"Hi<id {tok.vocab_size + 77}>"
+    finally:
+        tok.show_unknown_ids = False
