@@ -227,8 +227,11 @@ TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, sw
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
 
 
-# The decode matmul (kernels.llama.quantized_matmul) on rows long enough for 4 words a lane a trip.
-TEST_DECODE_MATMULS = {"long_norm_swiglu": (64, 2048, False, True, True), "long_residual": (40, 4096, True, False, False)}
+# The decode matmul (kernels.llama.quantized_matmul) on the Llama shapes' row widths, with one weight
+# row a thread (few rows) and two (enough rows for PAIRED_MIN_WORKGROUPS workgroups: SwiGLU's gate and
+# up rows in one thread; two rows with the norm and the residual).
+TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "long_residual": (40, 4096, True, False, False),
+                       "paired_norm_residual": (2048, 1024, True, True, False)}
 
 
 def prefill_matmul_test_name(flags: str, dtype: str) -> str:
