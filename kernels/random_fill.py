@@ -16,6 +16,11 @@ THREADS = 256
 WORKGROUPS = 1024
 STRIDE = THREADS * WORKGROUPS  # elements one trip of the whole grid covers
 INV_2_24 = 1.0 / (1 << 24)  # 24 random bits -> [0, 1), exact in f32
+# A Q4 block's min is -scale x a factor in [MIN_CODE_LO, MIN_CODE_LO + MIN_CODE_SPAN): centred on the
+# codes' mean 7.5, so blocks have no common bias. (A factor near 8, as real files' blocks often have,
+# gives every row the same negative bias: over 32 layers of the 8B shape the residual then overflowed
+# f16 and every logit was NaN.)
+MIN_CODE_LO, MIN_CODE_SPAN = 7.3, 0.4
 
 # PCG-RXS-M-XS 32-bit (O'Neill 2014): one LCG step, then the output permutation.
 PCG_MULTIPLIER, PCG_INCREMENT, PCG_OUTPUT_MULTIPLIER = 747796405, 2891336453, 277803737
@@ -92,8 +97,8 @@ def random_uniform():
 
 
 def random_q4_blocks():
-    """Q4_1 block constants like a real file's: scale[i] uniform in [lo, hi), min[i] = -8 scale[i]
-    times a factor in [0.9, 1.1), so the weights (scale * code + min) centre near zero."""
+    """Q4_1 block constants: scale[i] uniform in [lo, hi), min[i] = -scale[i] times a factor in
+    [7.3, 7.7), so a block's mean weight (scale * (7.5 - factor)) is small and of either sign."""
     random_word = _random_macro()
 
     @T.prim_func(s_tir=True)
@@ -116,6 +121,6 @@ def random_q4_blocks():
                             s[0] = lo + (hi - lo) * _unit(h[0])
                             scale[i] = s[0]
                             random_word(h, i, seed, 1)
-                            wmin[i] = T.float32(-8) * s[0] * (T.float32(0.9) + T.float32(0.2) * _unit(h[0]))
+                            wmin[i] = -s[0] * (T.float32(MIN_CODE_LO) + T.float32(MIN_CODE_SPAN) * _unit(h[0]))
 
     return random_q4_blocks_kernel
