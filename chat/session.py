@@ -24,6 +24,15 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_MESSAGE_CHARS = 8000  # a longer message is refused before tokenizing
 
 
+async def _load_tokenizer(read_text, progress) -> BPETokenizer:
+    """The served tokenizer (tokenizer.json and tokenizer_config.json beside a model's manifest)."""
+    progress("loading the tokenizer")
+    try:
+        return BPETokenizer.from_json(await read_text(TOKENIZER_FILE), json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the tokenizer: {err}") from err
+
+
 class ChatSession:
     def __init__(self, model: LlamaModel, tokenizer: BPETokenizer):
         self.model = model
@@ -35,12 +44,7 @@ class ChatSession:
     async def load(cls, device, library, model_readers, *, options: RunOptions = RunOptions(), dtype=None,
                    progress=lambda m: None, verified_sha256=None):
         read_text, read_bytes = model_readers
-        progress("loading the tokenizer")
-        try:
-            tokenizer = BPETokenizer.from_json(await read_text(TOKENIZER_FILE),
-                                               json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot load the tokenizer: {err}") from err
+        tokenizer = await _load_tokenizer(read_text, progress)
         model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype,
                                  progress=progress, verified_sha256=verified_sha256)
         return cls(model, tokenizer)
@@ -52,12 +56,7 @@ class ChatSession:
         filled on the GPU) behind the served model's tokenizer: its text is noise, its speed the shape's.
         Ids past the tokenizer's vocabulary decode as "<id N>"."""
         read_text, _ = tokenizer_readers
-        progress("loading the tokenizer")
-        try:
-            tokenizer = BPETokenizer.from_json(await read_text(TOKENIZER_FILE),
-                                               json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot load the tokenizer: {err}") from err
+        tokenizer = await _load_tokenizer(read_text, progress)
         tokenizer.show_unknown_ids = True
         model = await load_synthetic_model(device, library, shape, options=options, progress=progress)
         return cls(model, tokenizer)
