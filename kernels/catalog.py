@@ -26,7 +26,9 @@ from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
+from kernels.gguf_repack import gguf_repack
 from kernels.random_fill import random_q4_blocks, random_uniform, random_words
+from contract.gguf import GGML_TYPES, REPACK_BUFFERS, REPACK_TARGETS, repack_kernel_name
 
 # Builders by name (a recipe names its builder, so recipes stay picklable for the build's process
 # pool). The sharded family's layouts name theirs in contract.attention.LAYOUTS ("module:function").
@@ -38,6 +40,7 @@ BUILDERS = {
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
+    "gguf_repack": gguf_repack,
 }
 PROBE_BUFFERS = {"row_sum_probe": ("x", "out"), "stream_read_probe": ("x", "partial")}
 
@@ -77,6 +80,14 @@ def fill_recipes() -> list[KernelRecipe]:
     """The GPU fills of a synthetic model's weights (model_glue.synthetic.FILL_KERNELS)."""
     return [KernelRecipe(name, name, (), {"kind": "fill"}, ("scale", "wmin") if name == "random_q4_blocks" else ("out",))
             for name in ("random_words", "random_uniform", "random_q4_blocks")]
+
+
+def repack_recipes() -> list[KernelRecipe]:
+    """The GPU repack of every GGUF tensor type the runtime reads into each weight format
+    (model_glue.gguf_loading); sizes are runtime values, so these serve every shape."""
+    return [KernelRecipe(repack_kernel_name(source, target), "gguf_repack", (source, target),
+                         {"kind": "gguf_repack", "source": source, "target": target}, REPACK_BUFFERS[target])
+            for source in GGML_TYPES for target in REPACK_TARGETS]
 
 
 def attention_recipe(spec: AttentionSpec, builder: str, meta: dict | None = None, *, options: dict | None = None,
@@ -165,7 +176,7 @@ def all_recipes() -> list[KernelRecipe]:
     for name, config in SYNTHETIC_CONFIGS.items():  # their attention shapes are benchmark shapes
         for dtype in SYNTHETIC_DTYPES:
             recipes += llama_recipes(name, config, dtype)
-    recipes += fill_recipes()
+    recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}  # shapes may repeat across lists
     return list(unique.values())
 
@@ -289,6 +300,6 @@ def test_recipes() -> list[KernelRecipe]:
                                      build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
         recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))
         recipes += llama_recipes(name, config, "float16")
-    recipes += fill_recipes()
+    recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}
     return list(unique.values())

@@ -1,0 +1,57 @@
+"""What the runtime knows of GGUF (llama.cpp's model file): the tensor types it reads and how each
+reaches the runtime's two weight formats (contract.model: Q4, 4-bit codes with an f32 scale and min per
+32 weights; Q8, signed bytes with an f32 scale per 32).
+
+A GGUF tensor's raw blocks are uploaded as they are and repacked on the GPU (kernels.gguf_repack):
+Q4_0, Q4_1 and Q4_K blocks map to Q4 exactly (their 4-bit codes are kept, a 32-weight block's scale
+and min are the file's, multiplied out in f32), Q8_0 to Q8 exactly; every other pair is a
+requantization (min/max per 32 weights for Q4, absolute max for Q8), whose accuracy cost the tests
+and the README state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    name: str
+    type_id: int  # ggml_type in ggml.h
+    block_elements: int  # weights per block (32, or 256 for K-quants)
+    block_bytes: int
+
+    @property
+    def sub_blocks(self) -> int:
+        """32-weight sub-blocks per block: one runtime block each."""
+        return self.block_elements // 32
+
+    def nbytes(self, elements: int) -> int:
+        return elements // self.block_elements * self.block_bytes
+
+
+GGML_TYPES = {t.name: t for t in (
+    GGMLType("F32", 0, 32, 128), GGMLType("F16", 1, 32, 64), GGMLType("BF16", 30, 32, 64),
+    GGMLType("Q4_0", 2, 32, 18), GGMLType("Q4_1", 3, 32, 20), GGMLType("Q5_0", 6, 32, 22),
+    GGMLType("Q5_1", 7, 32, 24), GGMLType("Q8_0", 8, 32, 34),
+    GGMLType("Q4_K", 12, 256, 144), GGMLType("Q5_K", 13, 256, 176), GGMLType("Q6_K", 14, 256, 210),
+)}
+GGML_TYPES_BY_ID = {t.type_id: t for t in GGML_TYPES.values()}
+# Unsupported ids with their names, so a refusal can say what the file holds.
+GGML_TYPE_NAMES = {9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+                   19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16",
+                   26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0"}
+
+# (source type, runtime format) pairs whose repack keeps the file's values bit for bit.
+EXACT_REPACKS = {("Q4_0", "q4"), ("Q4_1", "q4"), ("Q4_K", "q4"), ("Q8_0", "q8")}
+REPACK_TARGETS = ("q4", "q8")
+REPACK_BUFFERS = {"q4": ("raw", "q4", "scale", "wmin"), "q8": ("raw", "q8", "scale")}
+
+
+def repack_kernel_name(source: str, target: str) -> str:
+    return f"gguf_repack_{source.lower()}_to_{target}"
+
+
+def type_name(type_id: int) -> str:
+    known = GGML_TYPES_BY_ID.get(type_id)
+    return known.name if known else GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
