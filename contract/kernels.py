@@ -146,7 +146,7 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
     roles = {
         "embed": KernelRole("embedding_q8", (c.vocab_size, c.dim, dtype), ("ids", "q8", "scale", "out")),
         "rms_norm": KernelRole("rms_norm", (c.dim, c.rms_eps, dtype), ("x", "weight", "out")),
-        "rope_append": KernelRole("rope_and_append", (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype),
+        "rope_append": KernelRole("rope_and_append", (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype, c.rope_scaling),
                                   ("qkv", "positions", "slots", "pages", "q")),
         "swiglu": KernelRole("swiglu", (c.ffn_dim, dtype), ("gate_up", "h")),
         # the head: the tied embedding (q8), f32 logits for the argmax or the sampler

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 DTYPES = ("float16", "float32")
@@ -37,10 +38,16 @@ class LlamaConfig:
     # The LM head reads the embedding (tied, SmolLM2, Llama-3.2-1B) or a matrix of its own (Llama-3.1-8B);
     # both are Q8 of the same shape, so the kernels are the same and only the bound tensor differs.
     tied_embeddings: bool = True
+    # Llama 3.1+'s RoPE scaling ("llama3" in HF's config; a GGUF's rope_freqs tensor): (factor,
+    # low_freq_factor, high_freq_factor, original_context_length); None for plain RoPE.
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if values.get("rope_scaling") is not None:  # JSON gives a list
+            values["rope_scaling"] = tuple(values["rope_scaling"])
+        return cls(**values)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +59,30 @@ class LlamaConfig:
     @property
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_kv_heads, self.n_heads, self.head_dim)
+
+    def kernel_fields(self) -> dict:
+        """What the kernels are compiled for: every field but the layer count and whether the head is
+        tied (the runtime loops over layers and binds the head's matrix), so a model with other values of
+        those runs on a contract config's kernels."""
+        values = self.to_dict()
+        del values["n_layers"], values["tied_embeddings"]
+        return values
+
+
+def rope_frequency_divisors(c: LlamaConfig) -> list[float]:
+    """Per rotated pair i, what theta^(-2i/head_dim) is divided by: 1 without RoPE scaling; with Llama
+    3's, 1 for short wavelengths, `factor` for long ones and a smooth blend between (llama.cpp stores
+    these as the rope_freqs tensor; kernels.llama.rope_and_append computes the same in f32)."""
+    pairs = c.head_dim // 2
+    if c.rope_scaling is None:
+        return [1.0] * pairs
+    factor, low, high, original = c.rope_scaling
+    divisors = []
+    for i in range(pairs):
+        ratio = original * c.rope_theta ** (-2 * i / c.head_dim) / (2 * math.pi)  # original context / wavelength
+        smooth = min(1.0, max(0.0, (ratio - low) / (high - low)))
+        divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return divisors
 
 
 MODEL_CONFIGS = {
@@ -69,9 +100,11 @@ MODEL_CONFIGS = {
 # (BENCH_SHAPES). f16 only (SYNTHETIC_DTYPES): no CPU rasterizer runs an 8B model.
 SYNTHETIC_CONFIGS = {
     "llama_3_2_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
-                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5),
+                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5,
+                                rope_scaling=(32.0, 1.0, 4.0, 8192)),
     "llama_3_1_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
-                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, tied_embeddings=False),
+                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, tied_embeddings=False,
+                                rope_scaling=(8.0, 1.0, 4.0, 8192)),
 }
 SYNTHETIC_DTYPES = ("float16",)
 

@@ -11,6 +11,8 @@ Each builder takes the shape parameters (the matmul: its contract.kernels.Matmul
 
 from __future__ import annotations
 
+import math
+
 from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE, MatmulSpec
@@ -245,11 +247,14 @@ def quantized_matmul(spec: MatmulSpec):
 
 
 def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str,
-                    page_size: int = PAGE_SIZE):
+                    rope_scaling: tuple | None = None, page_size: int = PAGE_SIZE):
     """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
 
     qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].
-    SmolLM2's GGUF permutes its Q/K weights for adjacent pairs (x[2i], x[2i+1]).
+    GGUFs permute their Q/K weights for adjacent pairs (x[2i], x[2i+1]). With Llama 3's
+    `rope_scaling` (factor, low, high, original context) a pair's frequency is scaled by
+    (1 - s) / factor + s, s = clamp((original / wavelength - low) / (high - low), 0, 1)
+    (contract.model.rope_frequency_divisors).
     """
     H, HKV, D = n_heads, n_kv_heads, head_dim
     PAIRS = (H + HKV) * D // 2  # rotated pairs per token (q heads, then k heads)
@@ -257,6 +262,15 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
     ROPE_TRIPS = (PAIRS + THREADS - 1) // THREADS
     V_TRIPS = (V_ELEMS + THREADS - 1) // THREADS
     QKV = (H + 2 * HKV) * D
+    FACTOR, LOW, HIGH, ORIGINAL = rope_scaling or (1.0, 0.0, 1.0, 0)
+    RATIO_PER_INV_FREQ = ORIGINAL / (2 * math.pi)  # original context / wavelength, per unit of frequency
+
+    def scaled(inv_freq):
+        if rope_scaling is None:
+            return inv_freq
+        smooth = T.min(T.max((inv_freq * T.float32(RATIO_PER_INV_FREQ) - T.float32(LOW)) / T.float32(HIGH - LOW),
+                             T.float32(0)), T.float32(1))
+        return inv_freq * ((T.float32(1) - smooth) * T.float32(1 / FACTOR) + smooth)
 
     @T.prim_func(s_tir=True)
     def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle):
@@ -282,7 +296,7 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
                             pair: T.let[T.int32] = p % (D // 2)
                             x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
                             x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
-                            inv_freq: T.let[T.float32] = T.exp2(T.Cast("float32", 2 * pair) * T.float32(-_log2(rope_theta) / D))
+                            inv_freq: T.let[T.float32] = scaled(T.exp2(T.Cast("float32", 2 * pair) * T.float32(-_log2(rope_theta) / D)))
                             angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
                             c: T.let[T.float32] = T.cos(angle)
                             sn: T.let[T.float32] = T.sin(angle)

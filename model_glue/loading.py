@@ -22,6 +22,10 @@ from model_glue.kv_cache import PagedKVCache
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
 from model_glue.scratch import scratch_sizes
+from model_glue.gguf_file import GGUFError, read_header
+from model_glue.gguf_model import (ROPE_FREQS, kernel_config_name, llama_config, parse_f32, tensor_plan,
+                                   context_length as gguf_context_length)
+from model_glue.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
 from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
@@ -88,6 +92,31 @@ async def load_synthetic_model(device, library, name: str, *, options: RunOption
     loader = _Loader(device, library, config_name, config, options, dtype, DEFAULT_CONTEXT_LENGTH,
                      {t.name: t.nbytes for t in model_tensors(config)})
     weights = await fill_synthetic_weights(device, library, config, seed, progress)
+    return await loader.finish(weights, progress)
+
+
+async def load_gguf_model(device, library, read, file_size: int, *, options: RunOptions = RunOptions(),
+                          dtype: str | None = None, progress=lambda message: None) -> LlamaModel:
+    """A llama GGUF straight from the file, through `read(offset, nbytes) -> bytes` (a native file or
+    the page's File): the header is parsed (model_glue.gguf_file), the shape matched to kernels and
+    every tensor checked (model_glue.gguf_model) before any upload, then each tensor's raw blocks are
+    uploaded and repacked to the runtime's Q4/Q8 on the GPU (kernels.gguf_repack)."""
+    try:
+        header = await read_header(read, file_size)
+    except GGUFError as err:
+        raise ModelError(str(err)) from err
+    file_config = llama_config(header)
+    divisors = None
+    if ROPE_FREQS in header.tensors:
+        freqs = header.tensors[ROPE_FREQS]
+        if freqs.type_name != "F32":
+            raise ModelError(f"{ROPE_FREQS} is {freqs.type_name}; expected F32")
+        divisors = parse_f32(bytes(await read(freqs.offset, freqs.nbytes)))
+    config_name, config = kernel_config_name(file_config, divisors)
+    plan = tensor_plan(header, config)
+    loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
+                     {t.name: t.nbytes for t in model_tensors(config)})
+    weights = await upload_gguf_tensors(device, library, read, plan, progress)
     return await loader.finish(weights, progress)
 
 

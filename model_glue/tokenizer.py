@@ -73,6 +73,9 @@ class _ClassTable(dict):
         return cls
 
 
+SPLIT_PATTERNS = ("gpt2", "llama3")
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (byte-level BPE vocabularies use it)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
@@ -90,7 +93,8 @@ class BPETokenizer:
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
                  *, individual_digits: bool = True, add_prefix_space: bool = False,
-                 eos_id: int | None = None, im_end_id: int | None = None, bos_id: int | None = None):
+                 eos_id: int | None = None, im_end_id: int | None = None, bos_id: int | None = None,
+                 split_pattern: str = "gpt2"):
         # A model whose vocabulary is larger than this tokenizer's (a synthetic Llama-3 shape behind
         # SmolLM2's tokenizer: 128,256 ids against 49,152) may emit ids it has no text for; with
         # `show_unknown_ids` they decode as "<id 123456>" instead of raising.
@@ -108,6 +112,10 @@ class BPETokenizer:
             self.id_to_token_list[i] = tok
         self.individual_digits = individual_digits
         self.add_prefix_space = add_prefix_space
+        if split_pattern not in SPLIT_PATTERNS:
+            raise ValueError(f"unknown split pattern {split_pattern!r} (known: {', '.join(SPLIT_PATTERNS)})")
+        # GPT-2's pattern (SmolLM2, after its Digits step) or Llama 3's (tiktoken's cl100k pattern)
+        self._split_pattern = self._split_gpt2 if split_pattern == "gpt2" else self._split_llama3
         # Longest first so that the alternation picks the longest special token at a position.
         if self.special_tokens:
             alternatives = sorted(self.special_tokens, key=len, reverse=True)
@@ -253,7 +261,64 @@ class BPETokenizer:
         return words
 
     @staticmethod
-    def _split_pattern(text: str, cls: list[int], start: int, end: int, words: list[str]) -> None:
+    def _split_llama3(text: str, cls: list[int], start: int, end: int, words: list[str]) -> None:
+        r"""Append the matches of Llama 3's pattern over text[start:end] (a leftmost-first scan):
+        `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|`
+        `\s*[\r\n]+|\s+(?!\S)|\s+`."""
+        i = start
+        while i < end:
+            c, ch = cls[i], text[i]
+            if ch == "'" and i + 1 < end:  # contractions, any case
+                suffix = next((s for s in _CONTRACTIONS if text[i + 1:i + 1 + len(s)].lower() == s), None)
+                if suffix is not None:
+                    words.append(text[i:i + 1 + len(suffix)])
+                    i += 1 + len(suffix)
+                    continue
+            # [^\r\n\p{L}\p{N}]?\p{L}+: letters, maybe after one character that is none of those
+            j = i if c == _LETTER else i + 1 if (c != _NUMBER and ch not in "\r\n" and i + 1 < end
+                                                 and cls[i + 1] == _LETTER) else None
+            if j is not None:
+                j += 1
+                while j < end and cls[j] == _LETTER:
+                    j += 1
+                words.append(text[i:j])
+                i = j
+                continue
+            if c == _NUMBER:  # \p{N}{1,3}
+                j = i + 1
+                while j < end and j - i < 3 and cls[j] == _NUMBER:
+                    j += 1
+                words.append(text[i:j])
+                i = j
+                continue
+            # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+            j = i + 1 if ch == " " and i + 1 < end and cls[i + 1] == _OTHER else i
+            if cls[j] == _OTHER:
+                j += 1
+                while j < end and cls[j] == _OTHER:
+                    j += 1
+                while j < end and text[j] in "\r\n":
+                    j += 1
+                words.append(text[i:j])
+                i = j
+                continue
+            # whitespace: up to its last line break (\s*[\r\n]+), else all of it but the character
+            # before a non-space (\s+(?!\S)), else all of it (\s+)
+            k = i + 1
+            while k < end and cls[k] == _SPACE:
+                k += 1
+            last_break = next((m for m in range(k - 1, i - 1, -1) if text[m] in "\r\n"), None)
+            if last_break is not None:
+                j = last_break + 1
+            elif k < end and k - i > 1:
+                j = k - 1
+            else:
+                j = k
+            words.append(text[i:j])
+            i = j
+
+    @staticmethod
+    def _split_gpt2(text: str, cls: list[int], start: int, end: int, words: list[str]) -> None:
         """Append the matches of the GPT-2 pattern over text[start:end] (a leftmost-first scan)."""
         i = start
         while i < end:

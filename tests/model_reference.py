@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from contract.model import LlamaConfig, rope_frequency_divisors
+
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x * w / sqrt(mean(x^2) + eps) over the last axis."""
@@ -21,10 +23,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_adjacent(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Adjacent-pair RoPE on x [seq, heads, head_dim] at absolute `positions` [seq]."""
+def rope_adjacent(x: np.ndarray, positions: np.ndarray, theta: float, divisors=None) -> np.ndarray:
+    """Adjacent-pair RoPE on x [seq, heads, head_dim] at absolute `positions` [seq]; `divisors`
+    (contract.model.rope_frequency_divisors, llama.cpp's rope_freqs) divide each pair's frequency."""
     head_dim = x.shape[-1]
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
+    if divisors is not None:
+        inv_freq = inv_freq / np.asarray(divisors, dtype=np.float64)
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]                # [seq, head_dim/2]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x0, x1 = x[..., 0::2].astype(np.float64), x[..., 1::2].astype(np.float64)
@@ -65,8 +70,9 @@ class ReferenceLlama:
         q = qkv[:, :nh * hd].reshape(seq, nh, hd)
         k = qkv[:, nh * hd:(nh + nkv) * hd].reshape(seq, nkv, hd)
         v = qkv[:, (nh + nkv) * hd:].reshape(seq, nkv, hd)
-        q = rope_adjacent(q, positions, c["rope_theta"])
-        k = rope_adjacent(k, positions, c["rope_theta"])
+        divisors = rope_frequency_divisors(LlamaConfig.from_dict(c))
+        q = rope_adjacent(q, positions, c["rope_theta"], divisors)
+        k = rope_adjacent(k, positions, c["rope_theta"], divisors)
         self.k_cache[i] = k if self.k_cache[i] is None else np.concatenate([self.k_cache[i], k])
         self.v_cache[i] = v if self.v_cache[i] is None else np.concatenate([self.v_cache[i], v])
         keys, vals = self.k_cache[i], self.v_cache[i]            # [total, nkv, hd]

@@ -1,0 +1,170 @@
+"""The Llama family as a GGUF file describes it: the one room that maps llama.cpp's names onto the
+runtime's model (contract.model).
+
+- `llama_config(header)`: the config from the metadata (dims, heads, RoPE base, Llama 3's RoPE
+  scaling from the rope_freqs tensor, a tied or separate output head);
+- `kernel_config_name(config)`: the contract config whose kernels run it (every field but the layer
+  count and the head's tying must match), or a ModelError naming the nearest shape and what differs;
+- `tensor_plan(header, config)`: for every runtime tensor (contract.model.model_tensors), the GGUF
+  tensors it is made of and how (repacked to Q4 or Q8, or copied as f32), checked before any upload.
+
+Pure Python (the page runs it in Pyodide, without numpy).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from contract.gguf import GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS
+from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, model_tensors, rope_frequency_divisors
+from model_glue.errors import ModelError
+from model_glue.gguf_file import GGUFHeader, GGUFTensor
+
+ARCHITECTURE = "llama"
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS_RTOL = 1e-4  # the file's f32 divisors against the contract's formula
+
+
+def _field(header: GGUFHeader, key: str, default=None, *, required: bool = False):
+    value = header.get(f"{ARCHITECTURE}.{key}", default)
+    if value is None and required:
+        raise ModelError(f"the GGUF lacks {ARCHITECTURE}.{key}")
+    return value
+
+
+def llama_config(header: GGUFHeader) -> LlamaConfig:
+    """The file's model config, without RoPE scaling: a file's rope_freqs tensor is matched against the
+    contract's scaled configs in `kernel_config_name`."""
+    arch = header.get("general.architecture")
+    if arch != ARCHITECTURE:
+        raise ModelError(f"this GGUF's architecture is {arch!r}; the runtime runs {ARCHITECTURE!r} models "
+                         "(Llama 2 / 3.x, SmolLM / SmolLM2, TinyLlama and the like)")
+    dim = int(_field(header, "embedding_length", required=True))
+    n_heads = int(_field(header, "attention.head_count", required=True))
+    tokens = header.get("tokenizer.ggml.tokens") or []
+    embedding = header.tensors.get("token_embd.weight")
+    vocab = _field(header, "vocab_size") or len(tokens) or (embedding.shape[1] if embedding else 0)
+    eps = _field(header, "attention.layer_norm_rms_epsilon", required=True)
+    return LlamaConfig(
+        dim=dim, n_layers=int(_field(header, "block_count", required=True)), n_heads=n_heads,
+        n_kv_heads=int(_field(header, "attention.head_count_kv", n_heads)),
+        head_dim=int(_field(header, "attention.key_length", 0) or _field(header, "rope.dimension_count", 0)
+                     or dim // n_heads),
+        ffn_dim=int(_field(header, "feed_forward_length", required=True)), vocab_size=int(vocab),
+        rope_theta=float(_field(header, "rope.freq_base", 10000.0)),
+        rms_eps=round(float(eps), 12),  # f32 metadata: 9.99999974738e-06 means 1e-05
+        tied_embeddings="output.weight" not in header.tensors)
+
+
+def _same_divisors(config: LlamaConfig, divisors: list[float]) -> bool:
+    want = rope_frequency_divisors(config)
+    return len(want) == len(divisors) and all(abs(a - b) <= ROPE_FREQS_RTOL * abs(a) for a, b in zip(want, divisors))
+
+
+def kernel_config_name(config: LlamaConfig, rope_divisors: list[float] | None = None) -> tuple[str, LlamaConfig]:
+    """(contract config name, the file's config with that config's RoPE scaling) for a file whose shape
+    has kernels here; otherwise a ModelError naming the nearest built shape and the fields that differ.
+    `rope_divisors` are the file's rope_freqs values, where it has them: they must be the scaling of
+    the contract's config (contract.model.rope_frequency_divisors)."""
+    best, best_diff = None, None
+    for name, contract in ALL_MODEL_CONFIGS.items():
+        theirs = contract.kernel_fields()
+        diff = [k for k, v in config.kernel_fields().items() if k != "rope_scaling" and theirs[k] != v]
+        if rope_divisors is None and contract.rope_scaling is not None:
+            diff.append("RoPE scaling (the file has no rope_freqs tensor)")
+        elif rope_divisors is not None and (contract.rope_scaling is None or not _same_divisors(contract, rope_divisors)):
+            diff.append("RoPE scaling (the file's rope_freqs)")
+        if not diff:
+            return name, LlamaConfig(**{**config.to_dict(), "rope_scaling": contract.rope_scaling})
+        if best_diff is None or len(diff) < len(best_diff):
+            best, best_diff = name, diff
+    shape = ", ".join(f"{k} {v}" for k, v in config.kernel_fields().items() if k != "rope_scaling")
+    raise ModelError(f"no kernels for this model's shape ({shape}): the nearest built shape, {best}, differs in "
+                     f"{', '.join(best_diff)} (shapes with kernels: {', '.join(sorted(ALL_MODEL_CONFIGS))})")
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """One GGUF tensor's share of a runtime tensor: `first_block` is where its 32-weight blocks start."""
+
+    tensor: GGUFTensor
+    first_block: int
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """How one runtime tensor (or a Q4/Q8 matrix's group: codes, scales, mins) is made from the file."""
+
+    names: tuple[str, ...]  # runtime tensors written (e.g. layers.0.qkv.q4, .scale, .min)
+    nbytes: tuple[int, ...]
+    target: str  # "q4", "q8" (repacked on the GPU) or "f32" (copied)
+    parts: tuple[TensorPart, ...]
+    exact: bool
+
+
+def _gguf_names(layer: int) -> dict[str, tuple[str, ...]]:
+    b = f"blk.{layer}"
+    return {"attn_norm": (f"{b}.attn_norm.weight",), "ffn_norm": (f"{b}.ffn_norm.weight",),
+            "qkv": (f"{b}.attn_q.weight", f"{b}.attn_k.weight", f"{b}.attn_v.weight"),
+            "o": (f"{b}.attn_output.weight",), "gate_up": (f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"),
+            "down": (f"{b}.ffn_down.weight",)}
+
+
+def _source_names(runtime: str) -> tuple[str, ...]:
+    """The GGUF tensors (in row order) a runtime tensor's group is made of."""
+    if runtime in ("embed", "head", "final_norm"):
+        return {"embed": ("token_embd.weight",), "head": ("output.weight",), "final_norm": ("output_norm.weight",)}[runtime]
+    _, layer, part = runtime.split(".")
+    return _gguf_names(int(layer))[part]
+
+
+def tensor_plan(header: GGUFHeader, config: LlamaConfig) -> list[PlannedTensor]:
+    """Every runtime tensor's sources, checked (present, a readable type, the expected shape)."""
+    groups: dict[str, list] = {}
+    for spec in model_tensors(config):
+        group = spec.name.rsplit(".", 1)[0] if spec.role.startswith(("q4", "q8")) else spec.name
+        groups.setdefault(group, []).append(spec)
+    plan = []
+    for group, specs in groups.items():
+        role = specs[0].role
+        target = {"q4": "q4", "q8": "q8", "norm": "f32"}[role]
+        rows = specs[0].shape[0] if target != "f32" else 1
+        cols = specs[0].shape[-1] * (8 if target == "q4" else 4 if target == "q8" else 1)
+        parts, row, exact = [], 0, True
+        for source in _source_names(group):
+            tensor = header.tensors.get(source)
+            if tensor is None:
+                raise ModelError(f"the GGUF lacks tensor {source}")
+            ggml = GGML_TYPES_BY_ID.get(tensor.type_id)
+            if ggml is None:
+                raise ModelError(f"tensor {source} is {tensor.type_name}, which this runtime does not read "
+                                 f"(it reads {', '.join(GGML_TYPES)})")
+            if target == "f32" and ggml.name not in ("F32", "F16"):
+                raise ModelError(f"norm {source} is {ggml.name}; expected F32 or F16")
+            if tensor.shape[0] != cols or (target != "f32" and len(tensor.shape) != 2):
+                raise ModelError(f"tensor {source} has shape {list(tensor.shape)}, expected {cols} columns "
+                                 "(ne0 first)")
+            parts.append(TensorPart(tensor, row * cols // 32))
+            row += tensor.shape[1] if len(tensor.shape) > 1 else 1
+            exact = exact and (target == "f32" or (ggml.name, target) in EXACT_REPACKS)
+        if row != rows:
+            raise ModelError(f"{' + '.join(_source_names(group))} give {row} rows; {group} needs {rows}")
+        plan.append(PlannedTensor(tuple(s.name for s in specs), tuple(s.nbytes for s in specs), target, tuple(parts),
+                                  exact))
+    return plan
+
+
+def f32_values(tensor: GGUFTensor, raw: bytes) -> bytes:
+    """A norm's bytes as little-endian f32 (F16 norms are widened)."""
+    if tensor.type_name == "F32":
+        return raw
+    return struct.pack(f"<{tensor.elements}f", *struct.unpack(f"<{tensor.elements}e", raw))
+
+
+def context_length(header: GGUFHeader) -> int:
+    return int(_field(header, "context_length", DEFAULT_CONTEXT_LENGTH))
+
+
+def parse_f32(raw: bytes) -> list[float]:
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
