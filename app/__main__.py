@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     gen.add_argument("--attention", choices=NEST_CHOICES, default="auto")
     gen.add_argument("--dtype", choices=["auto", "float16", "float32"], default="auto",
                      help="activation/KV dtype (auto: float16 where the adapter has shader-f16)")
-    gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
+    gen.add_argument("--model", type=Path, default=MODEL_ARTIFACT, help="a converted model artifact (default: SmolLM2)")
+    gen.add_argument("--gguf", type=Path, help="a llama GGUF of a shape with kernels, opened directly: its tokenizer, "
+                     "chat template and tensors (repacked on the GPU) come from the file")
     gen.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
 
     api = sub.add_parser("page-api", help="chat/api.py (the worker's calls, step fields, constants) -> static/page_api.js")

@@ -9,6 +9,7 @@ from chat.session import ChatSession
 from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
 from model_glue.generate import Sampling
+from model_glue.gguf_file import file_reader
 from model_glue.options import RunOptions
 from model_glue.webgpu import DeviceLostError, WebGPUUnavailable
 from model_glue.webgpu_native import WgpuDevice
@@ -39,9 +40,13 @@ async def run_generate(args) -> int:
     try:
         device = await WgpuDevice.open()
         library = await KernelLibrary.from_folder(device, args.kernels)
-        chat = await ChatSession.load(device, library, folder_readers(args.model),
-                                      dtype=None if args.dtype == "auto" else args.dtype,
-                                      progress=lambda m: print(f"[{m}]", file=sys.stderr))
+        dtype = None if args.dtype == "auto" else args.dtype
+        progress = lambda m: print(f"[{m}]", file=sys.stderr)  # noqa: E731
+        if args.gguf:
+            read, size = file_reader(args.gguf)
+            chat = await ChatSession.load_gguf(device, library, read, size, dtype=dtype, progress=progress)
+        else:
+            chat = await ChatSession.load(device, library, folder_readers(args.model), dtype=dtype, progress=progress)
         print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=RunOptions(attention=args.attention),

@@ -15,10 +15,13 @@ from contract.attention import NESTS
 from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
 from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
-from model_glue.loading import load_model, load_synthetic_model
+from model_glue.chat_template import SMOLLM2_TEMPLATE, ChatTemplate, chat_template
+from model_glue.gguf_file import GGUFError, read_header
+from model_glue.gguf_tokenizer import tokenizer_from_gguf
+from model_glue.loading import load_gguf_model, load_model, load_synthetic_model
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
-from model_glue.tokenizer import BPETokenizer, format_chat
+from model_glue.tokenizer import BPETokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_MESSAGE_CHARS = 8000  # a longer message is refused before tokenizing
@@ -34,11 +37,33 @@ async def _load_tokenizer(read_text, progress) -> BPETokenizer:
 
 
 class ChatSession:
-    def __init__(self, model: LlamaModel, tokenizer: BPETokenizer):
+    def __init__(self, model: LlamaModel, tokenizer, template: ChatTemplate = SMOLLM2_TEMPLATE):
         self.model = model
         self.tokenizer = tokenizer
+        self.template = template
+        # a GGUF's tokenizer knows its template's end-of-turn markers; the served SmolLM2's stops at <|im_end|>
+        self.stop_ids = getattr(tokenizer, "turn_end_ids", None) or tokenizer.stop_ids
         self.messages: list[dict] = []
         self._stop_requested = False
+
+    @classmethod
+    async def load_gguf(cls, device, library, read, file_size: int, *, options: RunOptions = RunOptions(),
+                        dtype=None, progress=lambda m: None):
+        """A user's llama GGUF through `read(offset, nbytes)`: its own tokenizer and chat template, its
+        tensors repacked on the GPU (model_glue.loading.load_gguf_model). The tokenizer is built first,
+        so a file this runtime cannot talk to is refused before any upload."""
+        progress("reading the GGUF header")
+        try:
+            header = await read_header(read, file_size)
+        except GGUFError as err:
+            raise ModelError(str(err)) from err
+        tokenizer = tokenizer_from_gguf(header.metadata)
+        template = chat_template(header.get("tokenizer.chat_template"))
+        if template.note:
+            progress(template.note)
+        model = await load_gguf_model(device, library, read, file_size, options=options, dtype=dtype,
+                                      progress=progress, header=header)
+        return cls(model, tokenizer, template)
 
     @classmethod
     async def load(cls, device, library, model_readers, *, options: RunOptions = RunOptions(), dtype=None,
@@ -75,7 +100,12 @@ class ChatSession:
         self.model.reset()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(format_chat(messages, add_generation_prompt=True))
+        text = self.template.render(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text)
+        bos = getattr(self.tokenizer, "bos_id", None)
+        if getattr(self.tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids  # the file asks for BOS and the template did not write it
+        return ids
 
     def _checked_prompt(self, user_text: str) -> list[dict]:
         text = (user_text or "").strip()
@@ -122,7 +152,7 @@ class ChatSession:
                 if on_text is not None:
                     on_text(piece)
 
-        gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
+        gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids,
                              options=options, sampling=sampling, reuse_cache=reuse_cache, forced_ids=forced_ids,
                              on_token=on_token, on_prefill=on_prefill, should_stop=lambda: self._stop_requested)
         tail = decoder.flush()

@@ -96,13 +96,14 @@ async def load_synthetic_model(device, library, name: str, *, options: RunOption
 
 
 async def load_gguf_model(device, library, read, file_size: int, *, options: RunOptions = RunOptions(),
-                          dtype: str | None = None, progress=lambda message: None) -> LlamaModel:
+                          dtype: str | None = None, progress=lambda message: None, header=None) -> LlamaModel:
     """A llama GGUF straight from the file, through `read(offset, nbytes) -> bytes` (a native file or
     the page's File): the header is parsed (model_glue.gguf_file), the shape matched to kernels and
     every tensor checked (model_glue.gguf_model) before any upload, then each tensor's raw blocks are
-    uploaded and repacked to the runtime's Q4/Q8 on the GPU (kernels.gguf_repack)."""
+    uploaded and repacked to the runtime's Q4/Q8 on the GPU (kernels.gguf_repack). `header`: the
+    file's, where the caller has read it already."""
     try:
-        header = await read_header(read, file_size)
+        header = header or await read_header(read, file_size)
     except GGUFError as err:
         raise ModelError(str(err)) from err
     file_config = llama_config(header)

@@ -443,20 +443,9 @@ class StreamDecoder:
         return self._decoder.decode(b"", final=True)
 
 
-DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
 def format_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt SmolLM2-Instruct's chat template (in the GGUF) renders for `messages`.
+    """The prompt SmolLM2-Instruct's chat template (in the GGUF) renders for `messages`: ChatML, with its
+    default system prompt when the first message is not a system one (model_glue.chat_template)."""
+    from model_glue.chat_template import SMOLLM2_TEMPLATE
 
-    ChatML; when the first message is not a system one the template inserts its default system
-    prompt. Rendered by hand because the run time has no Jinja.
-    """
-    parts = []
-    for index, message in enumerate(messages):
-        if index == 0 and messages[0]["role"] != "system":
-            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+    return SMOLLM2_TEMPLATE.render(messages, add_generation_prompt)

@@ -157,3 +157,42 @@ def test_refusals_name_the_problem(loop, gpu, test_library, tmp_path):
     # a tensor type the runtime does not read (Q2_K), named with the tensor
     message = refused(write_refused(tmp_path / "q2k.gguf", types={"matrix": "Q2_K_RAW"}))
     assert "Q2_K" in message and "blk.0.attn_q.weight" in message
+
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+                   "{{ m.content | trim }}<|eot_id|>{% endfor %}")
+ZEPHYR_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>{% endfor %}<|user|><|assistant|>"
+
+
+@pytest.mark.parametrize("tokenizer,pre,template,family", [
+    ("gpt2", "llama-bpe", LLAMA3_TEMPLATE, "llama3"), ("llama", None, ZEPHYR_TEMPLATE, "zephyr"),
+    ("gpt2", "smollm", None, "raw")])
+def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_library, tmp_path, tokenizer, pre,
+                                                                  template, family):
+    """ChatSession.load_gguf: prompt ids are the file's template rendered by the file's tokenizer (BOS
+    where the file asks for it), the reply streams, stops at the turn's end or the token budget."""
+    from chat.session import ChatSession
+
+    path = tmp_path / "chat.gguf"
+    write_llama_gguf(path, TINY, tokenizer=tokenizer, pre=pre or "smollm", chat_template=template, seed=2)
+    read, size = file_reader(path)
+    notes = []
+    chat = loop.run_until_complete(ChatSession.load_gguf(gpu, test_library, read, size, dtype="float32",
+                                                         options=RunOptions(max_context=512, warm_up=False),
+                                                         progress=notes.append))
+    try:
+        assert chat.template.family == family and any("plain text" in n for n in notes) == (family == "raw")
+        messages = [{"role": "user", "content": "hello world"}]
+        ids = chat.prompt_ids(messages)
+        rendered = chat.template.render(messages)
+        if tokenizer == "llama":  # SentencePiece asks for BOS; the template does not write it
+            assert ids == [chat.tokenizer.bos_id] + chat.tokenizer.encode(rendered)
+        else:
+            assert ids == chat.tokenizer.encode(rendered)
+        assert chat.tokenizer.eos_id in chat.stop_ids
+        pieces = []
+        result = loop.run_until_complete(chat.reply("hello world", max_new_tokens=6, on_text=pieces.append))
+        assert result["stop_reason"] in ("max tokens", "stop token") and "".join(pieces) == result["text"]
+        assert 1 <= len(result["token_ids"]) <= 6
+    finally:
+        chat.model.release()
