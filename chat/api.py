@@ -56,6 +56,9 @@ CALLS = (
     # a synthetic model of a contract shape, its weights filled on the GPU (the result: chat_info)
     Call("openSyntheticChat", "open_synthetic_chat", handles=("session",), args=("shape", "tokenizerBase", "options"),
          events=("progress",), worker=True),
+    # a user's GGUF (a File, read in the worker: it never leaves the machine), its tensors repacked on the GPU
+    Call("openGgufChat", "open_gguf_chat", handles=("session",), args=("file", "options"), events=("progress",),
+         worker=True),
     Call("reply", "chat_reply", handles=("chat",), args=("text", "request"), events=("text", "step", "prefill")),
     Call("compare", "chat_compare", handles=("chat",), args=("text", "request"), events=("progress",)),
     Call("stop", "stop_reply", handles=("chat",)),  # answered while a reply awaits the GPU

@@ -130,11 +130,29 @@ async def open_synthetic_chat(session: Session, shape: str, tokenizer_base: str,
                                             options=RunOptions.from_json(options), progress=progress)
 
 
+async def open_gguf_chat(session: Session, file, options: str, progress):
+    """A user's GGUF from the page's file picker or a drop: `file` is the browser's File, read range by
+    range here in the worker (model_glue.loading.load_gguf_model repacks each tensor on the GPU)."""
+    from chat.session import ChatSession
+    from model_glue.options import RunOptions
+
+    async def read(offset: int, nbytes: int) -> bytes:
+        buffer = await file.slice(offset, offset + nbytes).arrayBuffer()
+        data = buffer.to_bytes()
+        if len(data) != nbytes:
+            raise ModelError(f"{file.name} is truncated: {nbytes:,} bytes at {offset:,} are past its end")
+        return data
+
+    return await ChatSession.load_gguf(session.device, session.library, read, int(file.size),
+                                       options=RunOptions.from_json(options), progress=progress)
+
+
 def chat_info(chat) -> str:
     """What the page shows of a loaded model (JSON): the applied options (the context the KV cache
     really holds) and the dtype. The runtime's constants reach the page through chat/api.py."""
     model = chat.model
-    return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json()})
+    return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json(),
+                       "layers": model.config.n_layers, "chat_template": chat.template.family})
 
 
 # -- a chat turn ----------------------------------------------------------------------------------

@@ -153,10 +153,45 @@ async function reloadModel(app) {
   }
 }
 
+// "Open a GGUF…" or a dropped .gguf: the worker reads the File (it never leaves this machine) and
+// Python repacks its tensors on the GPU. A file the runtime cannot run is refused with the reason,
+// and the model already loaded stays.
+async function openGguf(app, file) {
+  if (state.busy || state.openingGguf) return;
+  state.openingGguf = true;
+  setBusy(true);
+  $("open-gguf").disabled = true;
+  $("status-details").open = true;
+  step(`Opening ${file.name} (${MiB(file.size)} MiB, read in this browser)…`);
+  try {
+    await stopRunning(app);
+    const info = JSON.parse(await app.python.call("openGgufChat", {
+      file, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
+    }, { progress: (message) => step(`${file.name}: ${message}…`) }));
+    state.info = info;
+    state.modelLabel = file.name;
+    const ready = `${file.name} (${info.config} kernels, ${info.layers} layers, ${info.chat_template} chat template), ` +
+      `${info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ${info.options.max_context} tokens`;
+    step(`Ready: ${ready}.`);
+    finishSteps(`ready: ${ready} (click for the loading steps)`);
+    $("error").hidden = true;
+  } catch (err) {
+    const message = `Cannot open ${file.name}: ${errorText(err)}`;
+    step(message);
+    finishSteps();
+    $("error").textContent = `${message} The model loaded before is still here.`;
+    $("error").hidden = false;
+  } finally {
+    state.openingGguf = false;
+    $("open-gguf").disabled = false;
+    setBusy(false);
+  }
+}
+
 // What an exported JSON belongs to.
 function exportAbout() {
   const device = state.device;
-  return { model: MODEL_LABEL, adapter: device.adapter, backend: device.backend, dtype: state.info.dtype,
+  return { model: state.modelLabel || MODEL_LABEL, adapter: device.adapter, backend: device.backend, dtype: state.info.dtype,
     max_context: state.info.options.max_context, switch_at: SWITCH_AT };
 }
 
@@ -209,6 +244,20 @@ async function boot() {
   $("long-document").addEventListener("click", fillLongDocument);
   $("export-csv").addEventListener("click", () => exportSteps("csv", exportAbout()));
   $("export-json").addEventListener("click", () => exportSteps("json", exportAbout()));
+  $("open-gguf").hidden = false;
+  $("open-gguf").addEventListener("click", () => $("gguf-file").click());
+  $("gguf-file").addEventListener("change", () => {
+    const file = $("gguf-file").files[0];
+    $("gguf-file").value = "";
+    if (file) openGguf(app, file);
+  });
+  document.addEventListener("dragover", (e) => e.preventDefault());
+  document.addEventListener("drop", (e) => {
+    const file = [...(e.dataTransfer?.files || [])].find((f) => f.name.endsWith(".gguf"));
+    if (!file) return;
+    e.preventDefault();
+    openGguf(app, file);
+  });
   $("clear-cache").addEventListener("click", async () => {
     await clearCachedModels();
     await showCache();

@@ -87,6 +87,14 @@ const own = {
     handles.chat = chat;
     return page.chat_info(chat);
   },
+
+  // A user's GGUF: the File stays in this worker, read a range at a time by Python.
+  async openGgufChat(id, { file, options }) {
+    const chat = await page.open_gguf_chat(handles.session, file, options, (message) => post(id, "progress", message));
+    if (handles.chat) page.carry_over(handles.chat, chat);
+    handles.chat = chat;
+    return page.chat_info(chat);
+  },
 };
 
 // The declaration and this file agree, or the worker refuses to start (every call then fails).

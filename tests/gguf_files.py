@@ -87,6 +87,8 @@ def byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
                 return tokens, merges
             tokens.append(a + b)
             merges.append(f"{a} {b}")
+    while len(tokens) < size:  # unreachable pieces up to the model's vocabulary
+        tokens.append(f"<filler{len(tokens)}>")
     return tokens, merges
 
 

@@ -1,0 +1,53 @@
+""""Open a GGUF…" in Chromium (SwiftShader, f32 kernels): a GGUF of the served tiny_chat shape, written
+with the gguf package, is read from the file picker in the worker (nothing is uploaded to the server),
+its tensors repacked on the GPU, and the chat talks through the file's own tokenizer and template. A
+truncated file is refused with the reason and the model loaded before keeps chatting."""
+
+import dataclasses
+
+import pytest
+from conftest import open_page
+
+from contract.model import ALL_MODEL_CONFIGS
+from gguf_files import write_llama_gguf
+
+pytestmark = pytest.mark.browser
+TIMEOUT_MS = 300_000
+CHATML = "{% for m in messages %}<|im_start|>{{m.role}}\n{{m.content}}<|im_end|>\n{% endfor %}"
+
+
+def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
+    path = tmp_path / "tiny-chat-q4_1.gguf"
+    write_llama_gguf(path, dataclasses.replace(ALL_MODEL_CONFIGS["tiny_chat"], n_layers=1), chat_template=CHATML,
+                     types={"matrix": "Q4_1", "embed": "Q8_0"}, seed=3)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-4096])
+    tab = open_page(browser, server + "/?model=synthetic:tiny_chat",
+                    "window.demoState.chatReady || window.demoState.error", TIMEOUT_MS)
+    try:
+        assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
+        tab.set_input_files("#gguf-file", str(path))
+        tab.wait_for_function("() => window.demoState.info.config === 'tiny_chat' && window.demoState.info.layers === 1"
+                              " && !window.demoState.openingGguf", timeout=TIMEOUT_MS)
+        status = tab.text_content("#status-panel")
+        assert "Ready: tiny-chat-q4_1.gguf" in status and "chatml chat template" in status, status
+        assert not [u for u in tab.requests if u.endswith(".gguf")]  # the file never went to the server
+        tab.fill("#max-tokens", "4")
+        tab.fill("#prompt", "hello there")
+        tab.evaluate("window.demoState.lastReply = null")
+        tab.click("#send")
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        assert len(tab.evaluate("window.demoState.steps")) >= 1
+
+        tab.set_input_files("#gguf-file", str(cut))
+        tab.wait_for_function("() => !document.querySelector('#error').hidden && !window.demoState.openingGguf",
+                              timeout=TIMEOUT_MS)
+        error = tab.inner_text("#error")
+        assert "Cannot open cut.gguf" in error and "truncated" in error and "still here" in error, error
+        tab.fill("#prompt", "again")
+        tab.evaluate("window.demoState.lastReply = null")
+        tab.click("#send")
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        assert tab.console_errors == [] and tab.http_errors == []
+    finally:
+        tab.close()
