@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from chat.session import ChatSession
 from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
@@ -41,13 +42,15 @@ async def run_generate(args) -> int:
         device = await WgpuDevice.open()
         library = await KernelLibrary.from_folder(device, args.kernels)
         dtype = None if args.dtype == "auto" else args.dtype
+        loading = time.perf_counter()
         progress = lambda m: print(f"[{m}]", file=sys.stderr)  # noqa: E731
         if args.gguf:
             read, size = file_reader(args.gguf)
             chat = await ChatSession.load_gguf(device, library, read, size, dtype=dtype, progress=progress)
         else:
             chat = await ChatSession.load(device, library, folder_readers(args.model), dtype=dtype, progress=progress)
-        print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}]", file=sys.stderr)
+        print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}; "
+              f"model ready in {time.perf_counter() - loading:.1f} s]", file=sys.stderr)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=RunOptions(attention=args.attention),
                                   sampling=sampling, on_text=lambda piece: print(piece, end="", flush=True))

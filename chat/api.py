@@ -59,6 +59,12 @@ CALLS = (
     # a user's GGUF (a File, read in the worker: it never leaves the machine), its tensors repacked on the GPU
     Call("openGgufChat", "open_gguf_chat", handles=("session",), args=("file", "options"), events=("progress",),
          worker=True),
+    # keeps the GGUF opened last in the browser's Cache API under its sha256 (hashed here; the result:
+    # {"sha256", "key"} or {"error"}), so the next visit offers it
+    Call("keepGguf", "file_sha256", args=(), events=("progress",), worker=True),
+    # opens a GGUF the Cache API keeps (a key keepGguf returned) like openGgufChat
+    Call("openCachedGguf", "open_gguf_chat", handles=("session",), args=("key", "options"), events=("progress",),
+         worker=True),
     Call("reply", "chat_reply", handles=("chat",), args=("text", "request"), events=("text", "step", "prefill")),
     Call("compare", "chat_compare", handles=("chat",), args=("text", "request"), events=("progress",)),
     Call("stop", "stop_reply", handles=("chat",)),  # answered while a reply awaits the GPU

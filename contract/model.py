@@ -94,12 +94,21 @@ MODEL_CONFIGS = {
     "tiny_chat": LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
                              vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),
 }
-# The shapes of widely run Llama models, served as kernels only: their weights are filled on the GPU
-# with random values (model_glue.synthetic, `?model=synthetic:llama-3.1-8b`), so the seed's experiment
-# runs as a whole model with nothing to download. Their attention shapes are benchmark shapes
-# (BENCH_SHAPES). f16 only (SYNTHETIC_DTYPES): no CPU rasterizer runs an 8B model.
+# The shapes of widely run Llama-family models, served as kernels only (f16, SYNTHETIC_DTYPES: no CPU
+# rasterizer runs these sizes). A user's GGUF of one of these shapes runs on them whatever its layer count
+# (model_glue.gguf_model), and `?model=synthetic:NAME` fills random weights of the shape on the GPU
+# (model_glue.synthetic), so the seed's experiment runs as a whole model with nothing to download.
 SYNTHETIC_CONFIGS = {
+    "smollm2_360m": LlamaConfig(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, head_dim=64, ffn_dim=2560,
+                                vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),
+    "smollm2_1_7b": LlamaConfig(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64, ffn_dim=8192,
+                                vocab_size=49152, rope_theta=130000.0, rms_eps=1e-5),
+    "tinyllama_1_1b": LlamaConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, head_dim=64, ffn_dim=5632,
+                                  vocab_size=32000, rope_theta=10000.0, rms_eps=1e-5, tied_embeddings=False),
     "llama_3_2_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
+                                vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5,
+                                rope_scaling=(32.0, 1.0, 4.0, 8192)),
+    "llama_3_2_3b": LlamaConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192,
                                 vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5,
                                 rope_scaling=(32.0, 1.0, 4.0, 8192)),
     "llama_3_1_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
@@ -110,7 +119,8 @@ SYNTHETIC_DTYPES = ("float16",)
 
 
 # The names people call them by (`?model=synthetic:llama-3.1-8b`, `--shape llama-3.1-8b`).
-SYNTHETIC_NAMES = {"llama-3.2-1b": "llama_3_2_1b", "llama-3.1-8b": "llama_3_1_8b"}
+SYNTHETIC_NAMES = {"smollm2-360m": "smollm2_360m", "smollm2-1.7b": "smollm2_1_7b", "tinyllama-1.1b": "tinyllama_1_1b",
+                   "llama-3.2-1b": "llama_3_2_1b", "llama-3.2-3b": "llama_3_2_3b", "llama-3.1-8b": "llama_3_1_8b"}
 
 
 def synthetic_config_name(name: str) -> str:

@@ -173,9 +173,14 @@ def all_recipes() -> list[KernelRecipe]:
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(name, config, dtype)
-    for name, config in SYNTHETIC_CONFIGS.items():  # their attention shapes are benchmark shapes
+    served_shapes = set(BENCH_SHAPES + MODEL_SHAPES)
+    for name, config in SYNTHETIC_CONFIGS.items():
         for dtype in SYNTHETIC_DTYPES:
             recipes += llama_recipes(name, config, dtype)
+            if config.attention_shape not in served_shapes:  # Llama 3's 1B and 8B shapes are benchmark shapes
+                recipes += attention_recipes(config.attention_shape, dtype)
+                if config.head_dim <= 128:
+                    recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
     recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}  # shapes may repeat across lists
     return list(unique.values())
@@ -270,6 +275,9 @@ def test_matmul_spec(flags: str, dtype: str) -> MatmulSpec:
                       swiglu=swiglu, tiled=not decode)
 
 
+TEST_SYNTHETIC_SHAPES = ("llama_3_2_1b", "llama_3_1_8b")
+
+
 def test_recipes() -> list[KernelRecipe]:
     """TVM's tiled kernel for every head_dim with GQA groups 1-8 (it is wrong for some: the build
     marks them), the sharded family on the test grid and the shapes of the RoPE, window and
@@ -294,8 +302,9 @@ def test_recipes() -> list[KernelRecipe]:
             recipes += attention_recipes(config.attention_shape, dtype)
             recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
             recipes += llama_recipes(name, config, dtype)
-    # the synthetic shapes, one layer of each (tests/test_synthetic.py), and the fills
-    for name, config in SYNTHETIC_CONFIGS.items():
+    # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills
+    for name in TEST_SYNTHETIC_SHAPES:
+        config = SYNTHETIC_CONFIGS[name]
         recipes += attention_recipes(config.attention_shape, "float16", layouts=("subgroup",),
                                      build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
         recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))

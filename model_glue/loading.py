@@ -85,10 +85,6 @@ async def load_synthetic_model(device, library, name: str, *, options: RunOption
     config = ALL_MODEL_CONFIGS[config_name]
     if overrides:
         config = dataclasses.replace(config, **overrides)
-    dtype = dtype or ("float16" if device.has_f16 else "float32")
-    if config_name in SYNTHETIC_CONFIGS and dtype not in SYNTHETIC_DTYPES:
-        raise ModelError(f"the {name} shape's kernels are built for {', '.join(SYNTHETIC_DTYPES)} only, and this "
-                         f"adapter ({device.adapter_name}) has no shader-f16")
     loader = _Loader(device, library, config_name, config, options, dtype, DEFAULT_CONTEXT_LENGTH,
                      {t.name: t.nbytes for t in model_tensors(config)})
     weights = await fill_synthetic_weights(device, library, config, seed, progress)
@@ -130,6 +126,9 @@ class _Loader:
         self.device, self.library, self.config_name, self.config = device, library, config_name, config
         self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
         self.dtype = dtype or ("float16" if device.has_f16 else "float32")
+        if config_name in SYNTHETIC_CONFIGS and self.dtype not in SYNTHETIC_DTYPES:
+            raise ModelError(f"the {config_name} shape's kernels are built for {', '.join(SYNTHETIC_DTYPES)} only, "
+                             f"and this adapter ({device.adapter_name}) has no shader-f16")
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         self.names = _kernel_names(library, config_name, config, self.dtype)

@@ -11,7 +11,7 @@ import { setUpLab } from "./lab.js";
 import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
-import { cacheAvailable, cachedModels, clearCachedModels } from "./weights_cache.js";
+import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels } from "./weights_cache.js";
 
 window.demoUI = { finishReply, addMessage, TextStream };  // for the page tests
 const params = new URLSearchParams(location.search);
@@ -121,7 +121,22 @@ async function loadChat(python) {
   }, { weights: showWeights, fetched, progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
 }
 
+// A button per GGUF the browser's cache keeps (python_worker.js keepGguf).
+async function showCachedGgufs(app) {
+  const list = $("cached-ggufs");
+  list.replaceChildren();
+  for (const cached of await cachedGgufs()) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "cached-gguf";
+    button.textContent = `Open ${cached.name} (${MiB(cached.bytes)} MiB, cached)`;
+    button.addEventListener("click", () => openGguf(app, null, cached));
+    list.append(button);
+  }
+}
+
 async function showCache() {
+  if (state.app) await showCachedGgufs(state.app);
   if (!cacheAvailable()) {
     $("cache-info").textContent = "This page cannot cache the model here (the Cache API needs https or localhost).";
     return;
@@ -156,27 +171,40 @@ async function reloadModel(app) {
 // "Open a GGUF…" or a dropped .gguf: the worker reads the File (it never leaves this machine) and
 // Python repacks its tensors on the GPU. A file the runtime cannot run is refused with the reason,
 // and the model already loaded stays.
-async function openGguf(app, file) {
+// `cached` ({key, name, bytes}) opens a GGUF the browser's cache keeps instead of a File; a File
+// that opens is then kept there under its sha256 (hashed after Ready), for the next visit.
+async function openGguf(app, file, cached = null) {
   if (state.busy || state.openingGguf) return;
+  const name = cached ? cached.name : file.name, bytes = cached ? cached.bytes : file.size;
   state.openingGguf = true;
   setBusy(true);
   $("open-gguf").disabled = true;
   $("status-details").open = true;
-  step(`Opening ${file.name} (${MiB(file.size)} MiB, read in this browser)…`);
+  step(`Opening ${name} (${MiB(bytes)} MiB, ${cached ? "from the browser's cache" : "read in this browser"})…`);
   try {
     await stopRunning(app);
-    const info = JSON.parse(await app.python.call("openGgufChat", {
-      file, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
-    }, { progress: (message) => step(`${file.name}: ${message}…`) }));
+    const options = JSON.stringify({ max_context: REQUESTED_CONTEXT });
+    const progress = { progress: (message) => step(`${name}: ${message}…`) };
+    const info = JSON.parse(cached ? await app.python.call("openCachedGguf", { key: cached.key, options }, progress)
+      : await app.python.call("openGgufChat", { file, options }, progress));
     state.info = info;
-    state.modelLabel = file.name;
-    const ready = `${file.name} (${info.config} kernels, ${info.layers} layers, ${info.chat_template} chat template), ` +
+    state.modelLabel = name;
+    const ready = `${name} (${info.config} kernels, ${info.layers} layers, ${info.chat_template} chat template), ` +
       `${info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ${info.options.max_context} tokens`;
     step(`Ready: ${ready}.`);
     finishSteps(`ready: ${ready} (click for the loading steps)`);
     $("error").hidden = true;
+    state.openingGguf = false;
+    setBusy(false);
+    if (!cached && cacheAvailable()) {
+      const kept = state.keptGguf = JSON.parse(await app.python.call("keepGguf", {}, progress));
+      step(kept.error ? `${name} is not kept in the browser's cache (${kept.error}).`
+        : `${name} is kept in the browser's cache (sha256 ${kept.sha256.slice(0, 12)}…): the next visit offers it.`);
+      finishSteps();
+      await showCache();
+    }
   } catch (err) {
-    const message = `Cannot open ${file.name}: ${errorText(err)}`;
+    const message = `Cannot open ${name}: ${errorText(err)}`;
     step(message);
     finishSteps();
     $("error").textContent = `${message} The model loaded before is still here.`;
@@ -245,6 +273,8 @@ async function boot() {
   $("export-csv").addEventListener("click", () => exportSteps("csv", exportAbout()));
   $("export-json").addEventListener("click", () => exportSteps("json", exportAbout()));
   $("open-gguf").hidden = false;
+  state.app = app;
+  await showCachedGgufs(app);
   $("open-gguf").addEventListener("click", () => $("gguf-file").click());
   $("gguf-file").addEventListener("change", () => {
     const file = $("gguf-file").files[0];

@@ -5,7 +5,9 @@
 // the network or the cache: a cached copy that does not match is dropped and fetched again.
 // The download is streamed so the page can show bytes as they arrive.
 
-const CACHE_NAME = "sharded-decode-demo-weights";
+export const CACHE_NAME = "sharded-decode-demo-weights";
+// Where a user's GGUF is kept in the same cache: gguf/<sha256> under the page's folder.
+export const GGUF_CACHE_BASE = new URL("./", import.meta.url).href;
 
 export const cacheAvailable = () => typeof caches !== "undefined" && !!(crypto && crypto.subtle);
 
@@ -97,4 +99,18 @@ export async function cachedModels() {
 
 export async function clearCachedModels() {
   if (cacheAvailable()) await caches.delete(CACHE_NAME);
+}
+
+// The GGUFs this page keeps (python_worker.js keepGguf): [{key, name, bytes}], the latest first.
+export async function cachedGgufs() {
+  if (!cacheAvailable() || !(await caches.has(CACHE_NAME))) return [];
+  const cache = await caches.open(CACHE_NAME);
+  const found = [];
+  for (const request of await cache.keys()) {
+    if (!request.url.startsWith(`${GGUF_CACHE_BASE}gguf/`)) continue;
+    const response = await cache.match(request);
+    found.push({ key: request.url, name: response.headers.get("X-GGUF-Name") || "cached.gguf",
+      bytes: Number(response.headers.get("X-Weights-Bytes")) });
+  }
+  return found.reverse();
 }

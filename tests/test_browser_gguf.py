@@ -4,6 +4,7 @@ its tensors repacked on the GPU, and the chat talks through the file's own token
 truncated file is refused with the reason and the model loaded before keeps chatting."""
 
 import dataclasses
+import hashlib
 
 import pytest
 from conftest import open_page
@@ -32,6 +33,9 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         status = tab.text_content("#status-panel")
         assert "Ready: tiny-chat-q4_1.gguf" in status and "chatml chat template" in status, status
         assert not [u for u in tab.requests if u.endswith(".gguf")]  # the file never went to the server
+        tab.wait_for_function("() => window.demoState.keptGguf", timeout=TIMEOUT_MS)
+        kept = tab.evaluate("window.demoState.keptGguf")
+        assert kept.get("key") and kept["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), kept
         tab.fill("#max-tokens", "4")
         tab.fill("#prompt", "hello there")
         tab.evaluate("window.demoState.lastReply = null")
@@ -45,6 +49,26 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         error = tab.inner_text("#error")
         assert "Cannot open cut.gguf" in error and "truncated" in error and "still here" in error, error
         tab.fill("#prompt", "again")
+        tab.evaluate("window.demoState.lastReply = null")
+        tab.click("#send")
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        assert tab.console_errors == [] and tab.http_errors == []
+    finally:
+        tab.close()
+
+    # the next visit offers the kept file and opens it from the browser's cache
+    tab = open_page(browser, server + "/?model=synthetic:tiny_chat",
+                    "window.demoState.chatReady || window.demoState.error", TIMEOUT_MS)
+    try:
+        button = tab.locator("#cached-ggufs button", has_text="tiny-chat-q4_1.gguf")
+        button.wait_for(timeout=TIMEOUT_MS)
+        assert "cut.gguf" not in tab.inner_text("#cached-ggufs")  # a refused file is not kept
+        button.click()
+        tab.wait_for_function("() => window.demoState.info.layers === 1 && !window.demoState.openingGguf",
+                              timeout=TIMEOUT_MS)
+        assert "from the browser's cache" in tab.text_content("#status-panel")
+        tab.fill("#max-tokens", "3")
+        tab.fill("#prompt", "hi")
         tab.evaluate("window.demoState.lastReply = null")
         tab.click("#send")
         tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)

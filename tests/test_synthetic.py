@@ -196,3 +196,32 @@ def test_whole_synthetic_shapes_stay_finite_and_agree_across_the_nests(loop, gpu
         assert len(set(runs["tiled"])) > 1  # not one id repeated (what NaN logits gave)
     finally:
         model.release()
+
+
+@pytest.mark.parametrize("name", ["smollm2-360m", "smollm2-1.7b", "tinyllama-1.1b", "llama-3.2-3b"])
+def test_the_served_shapes_run_one_layer_against_the_reference(loop, gpu, library, name):
+    """The other served shapes (f16 kernels only, so that a user's GGUF of that shape runs): one layer
+    with random weights from the served artifact, a prompt and decode steps, against the f64 reference
+    on the weights read back. 15 query heads over 5 KV heads (SmolLM2-360M), 32 over 32 (1.7B), 32 over 4
+    with a head of its own (TinyLlama), head_dim 128 with 24 over 8 (Llama-3.2-3B: needs more than
+    lavapipe's binding limit)."""
+    if not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    config = ALL_MODEL_CONFIGS[synthetic_config_name(name)]
+    largest = max(t.nbytes for t in model_tensors(config))
+    if largest > gpu.limits["maxStorageBufferBindingSize"]:
+        pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize")
+    model = loop.run_until_complete(load_synthetic_model(gpu, library, name, seed=4, overrides={"n_layers": 1},
+                                                         options=RunOptions(max_context=512, warm_up=False)))
+    try:
+        reference = ReferenceLlama(model.config.to_dict(), dense_weights(loop, gpu, model))
+        prompt = [int(t) for t in np.random.default_rng(6).integers(3, config.vocab_size, 24)]
+        token = loop.run_until_complete(model.forward(prompt))
+        want = reference.forward(prompt, 0)[-1]
+        for step in range(2):
+            got = logits_of(loop, model)
+            assert rel_l2(got, want) < 1e-2, f"{name} step {step}: {rel_l2(got, want):.2e}"
+            want = reference.forward([token], reference.length)[-1]
+            token = loop.run_until_complete(model.forward([token]))
+    finally:
+        model.release()
