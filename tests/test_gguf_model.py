@@ -20,7 +20,7 @@ from model_glue.errors import ModelError
 from model_glue.gguf_file import file_reader
 from model_glue.loading import load_gguf_model
 from model_glue.options import RunOptions
-from gguf_files import write_llama_gguf
+from app.bench.gguf_files import write_llama_gguf
 from model_reference import ReferenceLlama
 from test_synthetic import dense_weights
 

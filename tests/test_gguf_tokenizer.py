@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from gguf_files import byte_level_vocab, sentencepiece_vocab
+from app.bench.gguf_files import byte_level_vocab, sentencepiece_vocab
 from model_glue.chat_template import chat_template
 from model_glue.errors import ModelError
 from model_glue.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf

@@ -1,5 +1,6 @@
-"""Test GGUFs written with the `gguf` package: a llama model of a contract shape with random weights in
-chosen tensor types, and its tokenizer in either kind (byte-level BPE, "gpt2"; SentencePiece, "llama").
+"""GGUFs written with the `gguf` package: a llama model of a contract shape with random weights in
+chosen tensor types, and its tokenizer in either kind (byte-level BPE, "gpt2"; SentencePiece, "llama"), for
+the tests (tiny shapes) and `python -m app bench gguf --shape` (a whole model's size).
 
 gguf quantizes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/BF16 itself; it only dequantizes K-quants, so Q4_K and Q6_K
 blocks are packed here (a plain min/max fit; any bytes would do, since the tests compare against
@@ -114,11 +115,13 @@ def sentencepiece_vocab(size: int, rng) -> tuple[list[str], list[float], list[in
 
 def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, tokenizer: str = "gpt2",
                      pre: str = "smollm", chat_template: str | None = None, seed: int = 0,
-                     rope_freqs: bool = False, extra_tensor: tuple | None = None) -> dict:
+                     rope_freqs: bool = False, extra_tensor: tuple | None = None, dense: bool = True) -> dict:
     """Write a llama GGUF of `config` with random weights; `types` picks each role's tensor type
     ("matrix", "embed", "head", "norm"; default Q4_0 / Q8_0 / Q8_0 / F32). Returns gguf's dequantized
-    dense weights under the runtime's names (embed, head, layers.i.qkv, ...), the f64 reference's input."""
+    dense weights under the runtime's names (embed, head, layers.i.qkv, ...), the f64 reference's input
+    (with `dense` False nothing is dequantized or kept: a benchmark's large file)."""
     types = {"matrix": "Q4_0", "embed": "Q8_0", "head": "Q8_0", "norm": "F32", **(types or {})}
+    keep_dense = dense
     rng = np.random.default_rng(seed)
     c = config
     writer = GGUFWriter(str(path), "llama")
@@ -163,6 +166,8 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
         writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in ("F32", "F16") else gtype)
         if qtype == "Q2_K_RAW":
             return values
+        if not keep_dense:
+            return np.zeros(0, np.float32)
         back = data if qtype in ("F32", "F16") else dequantize(data, gtype)
         return np.asarray(back, np.float32).reshape(values.shape)
 
