@@ -212,7 +212,26 @@ def gguf_repack(source: str, target: str):
     return (_requant_q4 if target == "q4" else _requant_q8)(constants, value, SUB_BLOCKS, BLOCK_BYTES)
 
 
+def _block_decoder(constants, value, SUB_BLOCKS, BLOCK_BYTES):
+    """A TVMScript macro: c = block i's constants, v = its 32 weights (block i of the tensor starts at
+    byte (i / SUB_BLOCKS) * BLOCK_BYTES, as sub-block i % SUB_BLOCKS)."""
+
+    @T.macro
+    def decode_block(raw, c, v, i):
+        base: T.let[T.int32] = T.truncdiv(i, SUB_BLOCKS) * BLOCK_BYTES
+        sub: T.let[T.int32] = T.truncmod(i, SUB_BLOCKS)
+        c[0] = _constant(constants, raw, base, sub, 0)
+        c[1] = _constant(constants, raw, base, sub, 1)
+        c[2] = _constant(constants, raw, base, sub, 2)
+        for e in T.serial(BLOCK):
+            v[e] = value(raw, base, sub, e, c)
+
+    return decode_block
+
+
 def _requant_q4(constants, value, SUB_BLOCKS, BLOCK_BYTES):
+    decode_block = _block_decoder(constants, value, SUB_BLOCKS, BLOCK_BYTES)
+
     @T.prim_func(s_tir=True)
     def repack(raw_h: T.handle, q4_h: T.handle, scale_h: T.handle, min_h: T.handle, blocks: T.int32, out_block: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
@@ -233,13 +252,7 @@ def _requant_q4(constants, value, SUB_BLOCKS, BLOCK_BYTES):
                     for trip in T.serial(T.ceildiv(blocks, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < blocks:
-                            base: T.let[T.int32] = T.truncdiv(i, SUB_BLOCKS) * BLOCK_BYTES
-                            sub: T.let[T.int32] = T.truncmod(i, SUB_BLOCKS)
-                            c[0] = _constant(constants, raw, base, sub, 0)
-                            c[1] = _constant(constants, raw, base, sub, 1)
-                            c[2] = _constant(constants, raw, base, sub, 2)
-                            for e in T.serial(BLOCK):
-                                v[e] = value(raw, base, sub, e, c)
+                            decode_block(raw, c, v, i)
                             lo_hi[0] = v[0]
                             lo_hi[1] = v[0]
                             for e in T.serial(1, BLOCK):
@@ -261,6 +274,8 @@ def _requant_q4(constants, value, SUB_BLOCKS, BLOCK_BYTES):
 
 
 def _requant_q8(constants, value, SUB_BLOCKS, BLOCK_BYTES):
+    decode_block = _block_decoder(constants, value, SUB_BLOCKS, BLOCK_BYTES)
+
     @T.prim_func(s_tir=True)
     def repack(raw_h: T.handle, q8_h: T.handle, scale_h: T.handle, blocks: T.int32, out_block: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
@@ -280,14 +295,9 @@ def _requant_q8(constants, value, SUB_BLOCKS, BLOCK_BYTES):
                     for trip in T.serial(T.ceildiv(blocks, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < blocks:
-                            base: T.let[T.int32] = T.truncdiv(i, SUB_BLOCKS) * BLOCK_BYTES
-                            sub: T.let[T.int32] = T.truncmod(i, SUB_BLOCKS)
-                            c[0] = _constant(constants, raw, base, sub, 0)
-                            c[1] = _constant(constants, raw, base, sub, 1)
-                            c[2] = _constant(constants, raw, base, sub, 2)
+                            decode_block(raw, c, v, i)
                             amax[0] = T.float32(0)
                             for e in T.serial(BLOCK):
-                                v[e] = value(raw, base, sub, e, c)
                                 amax[0] = T.max(amax[0], T.fabs(v[e]))
                             step: T.let[T.float32] = amax[0] / T.float32(Q8_LEVELS)
                             inverse: T.let[T.float32] = T.if_then_else(step > T.float32(0), T.float32(1) / step, T.float32(0))

@@ -17,7 +17,7 @@ import heapq
 import re
 
 from model_glue.errors import ModelError
-from model_glue.tokenizer import BPETokenizer
+from model_glue.tokenizer import BPETokenizer, SpecialsFirst, special_token_pattern
 
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -63,7 +63,7 @@ def tokenizer_from_gguf(metadata: dict):
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<|endoftext|>")
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(SpecialsFirst):
     """llama.cpp's SPM tokenizer (llm_tokenizer_spm): the same ids llama.cpp gives for a file's text."""
 
     def __init__(self, tokens: list[str], scores: list[float], types: list[int], *, bos_id=None, eos_id=None,
@@ -80,8 +80,7 @@ class SentencePieceTokenizer:
         self.bos_id, self.eos_id, self.add_space_prefix = bos_id, eos_id, add_space_prefix
         self.unk_id = next((i for i, ty in enumerate(types) if ty == UNKNOWN), None)
         self.show_unknown_ids = False
-        alternatives = sorted(self.special_tokens, key=len, reverse=True)
-        self._special_re = re.compile("|".join(re.escape(t) for t in alternatives)) if alternatives else None
+        self._special_re = special_token_pattern(self.special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -94,20 +93,9 @@ class SentencePieceTokenizer:
     def token_to_id(self, token: str):
         return self.special_tokens.get(token, self.vocab.get(token))
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`. Every fragment between special tokens gets the space prefix (it starts the text
-        or follows a special token: llama.cpp prefixes both)."""
-        ids, start = [], 0
-        for m in (self._special_re.finditer(text) if self._special_re else ()):
-            if m.start() > start:
-                self._encode_ordinary(text[start:m.start()], ids)
-            ids.append(self.special_tokens[m.group()])
-            start = m.end()
-        if start < len(text):
-            self._encode_ordinary(text[start:], ids)
-        return ids
-
     def _encode_ordinary(self, text: str, ids: list[int]) -> None:
+        # every fragment between special tokens starts the text or follows a special token: llama.cpp
+        # puts the space prefix before both
         if self.add_space_prefix:
             text = " " + text
         symbols = list(text.replace(" ", SPACE))

@@ -88,7 +88,37 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-class BPETokenizer:
+class SpecialsFirst:
+    """`encode`: special tokens written in the text become their single ids (the longest at a position),
+    the text between them goes to the subclass's `_encode_ordinary`. Needs `special_tokens` (text ->
+    id) and `_special_re` (special_token_pattern's)."""
+
+    special_tokens: dict[str, int]
+    _special_re: "re.Pattern | None"
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        for m in (self._special_re.finditer(text) if self._special_re is not None else ()):
+            if m.start() > start:
+                self._encode_ordinary(text[start:m.start()], ids)
+            ids.append(self.special_tokens[m.group()])
+            start = m.end()
+        if start < len(text):
+            self._encode_ordinary(text[start:], ids)
+        return ids
+
+    def _encode_ordinary(self, text: str, ids: list[int]) -> None:
+        raise NotImplementedError
+
+
+def special_token_pattern(special_tokens) -> "re.Pattern | None":
+    """One alternation of the special tokens, longest first so a longer one wins at a position."""
+    alternatives = sorted(special_tokens, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in alternatives)) if alternatives else None
+
+
+class BPETokenizer(SpecialsFirst):
     """Byte-level BPE with SmolLM2's pre-tokenizer; `encode` matches HF `tokenizers` id for id."""
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
@@ -116,12 +146,7 @@ class BPETokenizer:
             raise ValueError(f"unknown split pattern {split_pattern!r} (known: {', '.join(SPLIT_PATTERNS)})")
         # GPT-2's pattern (SmolLM2, after its Digits step) or Llama 3's (tiktoken's cl100k pattern)
         self._split_pattern = self._split_gpt2 if split_pattern == "gpt2" else self._split_llama3
-        # Longest first so that the alternation picks the longest special token at a position.
-        if self.special_tokens:
-            alternatives = sorted(self.special_tokens, key=len, reverse=True)
-            self._special_re = re.compile("|".join(re.escape(t) for t in alternatives))
-        else:
-            self._special_re = None
+        self._special_re = special_token_pattern(self.special_tokens)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         # Per-byte printable strings, indexed by byte value: bytes -> BPE symbols without a dict lookup.
@@ -208,22 +233,6 @@ class BPETokenizer:
         return None
 
     # ------------------------------------------------------------------ encoding
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text become their single ids."""
-        ids: list[int] = []
-        if self._special_re is None:
-            self._encode_ordinary(text, ids)
-            return ids
-        start = 0
-        for m in self._special_re.finditer(text):
-            if m.start() > start:
-                self._encode_ordinary(text[start:m.start()], ids)
-            ids.append(self.special_tokens[m.group()])
-            start = m.end()
-        if start < len(text):
-            self._encode_ordinary(text[start:], ids)
-        return ids
 
     def _encode_ordinary(self, text: str, ids: list[int]) -> None:
         if self.add_prefix_space and not text.startswith(" "):

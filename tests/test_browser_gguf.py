@@ -17,6 +17,15 @@ TIMEOUT_MS = 300_000
 CHATML = "{% for m in messages %}<|im_start|>{{m.role}}\n{{m.content}}<|im_end|>\n{% endfor %}"
 
 
+def chat_once(tab, text: str, tokens: int) -> None:
+    """Send `text` for a reply of at most `tokens` and wait for it."""
+    tab.fill("#max-tokens", str(tokens))
+    tab.fill("#prompt", text)
+    tab.evaluate("window.demoState.lastReply = null")
+    tab.click("#send")
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+
+
 def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
     path = tmp_path / "tiny-chat-q4_1.gguf"
     write_llama_gguf(path, dataclasses.replace(ALL_MODEL_CONFIGS["tiny_chat"], n_layers=1), chat_template=CHATML,
@@ -36,11 +45,7 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         tab.wait_for_function("() => window.demoState.keptGguf", timeout=TIMEOUT_MS)
         kept = tab.evaluate("window.demoState.keptGguf")
         assert kept.get("key") and kept["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), kept
-        tab.fill("#max-tokens", "4")
-        tab.fill("#prompt", "hello there")
-        tab.evaluate("window.demoState.lastReply = null")
-        tab.click("#send")
-        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        chat_once(tab, "hello there", 4)
         assert len(tab.evaluate("window.demoState.steps")) >= 1
 
         tab.set_input_files("#gguf-file", str(cut))
@@ -48,10 +53,7 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
                               timeout=TIMEOUT_MS)
         error = tab.inner_text("#error")
         assert "Cannot open cut.gguf" in error and "truncated" in error and "still here" in error, error
-        tab.fill("#prompt", "again")
-        tab.evaluate("window.demoState.lastReply = null")
-        tab.click("#send")
-        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        chat_once(tab, "again", 4)
         assert tab.console_errors == [] and tab.http_errors == []
     finally:
         tab.close()
@@ -67,11 +69,7 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         tab.wait_for_function("() => window.demoState.info.layers === 1 && !window.demoState.openingGguf",
                               timeout=TIMEOUT_MS)
         assert "from the browser's cache" in tab.text_content("#status-panel")
-        tab.fill("#max-tokens", "3")
-        tab.fill("#prompt", "hi")
-        tab.evaluate("window.demoState.lastReply = null")
-        tab.click("#send")
-        tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
+        chat_once(tab, "hi", 3)
         assert tab.console_errors == [] and tab.http_errors == []
     finally:
         tab.close()

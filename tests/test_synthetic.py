@@ -86,6 +86,15 @@ def test_every_tensor_is_filled_once():
     assert len(set(seeds)) == len(seeds)
 
 
+def skip_past_binding_limit(gpu, name: str) -> None:
+    """Skip where a tensor of the shape exceeds the adapter's binding limit (lavapipe: 128 MiB, less than
+    a 128k-token vocabulary's head)."""
+    largest = max(t.nbytes for t in model_tensors(ALL_MODEL_CONFIGS[synthetic_config_name(name)]))
+    if largest > gpu.limits["maxStorageBufferBindingSize"]:
+        pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize "
+                    f"({gpu.limits['maxStorageBufferBindingSize'] / 2**20:.0f} MiB)")
+
+
 def dense_weights(loop, gpu, model) -> dict:
     """The model's weights read back from the GPU, dequantized like convert.weights does."""
     raw = {t.name: read(loop, gpu, model.weights[t.name], t.nbytes, np.uint32 if t.dtype == "uint32" else np.float32)
@@ -119,10 +128,7 @@ def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overri
     """Prefill then decode steps; the f64 reference runs on the weights the GPU filled."""
     if dtype == "float16" and not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
-    largest = max(t.nbytes for t in model_tensors(ALL_MODEL_CONFIGS[synthetic_config_name(name)]))
-    if largest > gpu.limits["maxStorageBufferBindingSize"]:  # lavapipe: 128 MiB, a 128k-token vocabulary's head more
-        pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize "
-                    f"({gpu.limits['maxStorageBufferBindingSize'] / 2**20:.0f} MiB)")
+    skip_past_binding_limit(gpu, name)
     model = loop.run_until_complete(load_synthetic_model(
         gpu, test_library, name, dtype=dtype, seed=5, overrides=overrides,
         options=RunOptions(max_context=512, warm_up=False)))
@@ -179,9 +185,7 @@ def test_whole_synthetic_shapes_stay_finite_and_agree_across_the_nests(loop, gpu
     if not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     config = ALL_MODEL_CONFIGS[synthetic_config_name(name)]
-    largest = max(t.nbytes for t in model_tensors(config))
-    if largest > gpu.limits["maxStorageBufferBindingSize"]:
-        pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize")
+    skip_past_binding_limit(gpu, name)
     model = loop.run_until_complete(load_synthetic_model(gpu, test_library, name, seed=0,
                                                          options=RunOptions(max_context=512, warm_up=False)))
     try:
@@ -213,9 +217,7 @@ def test_the_served_shapes_run_one_layer_against_the_reference(loop, gpu, librar
     if not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     config = ALL_MODEL_CONFIGS[synthetic_config_name(name)]
-    largest = max(t.nbytes for t in model_tensors(config))
-    if largest > gpu.limits["maxStorageBufferBindingSize"]:
-        pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize")
+    skip_past_binding_limit(gpu, name)
     model = loop.run_until_complete(load_synthetic_model(gpu, library, name, seed=4, overrides={"n_layers": 1},
                                                          options=RunOptions(max_context=512, warm_up=False)))
     try:
