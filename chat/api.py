@@ -49,6 +49,8 @@ CALLS = (
     # opens WebGPU and the kernel artifact; also starts chat.page.watch_device and returns describe_device
     Call("openSession", "open_session", args=("kernelsUrl",), worker=True),
     Call("selfTest", "self_test", handles=("session",)),
+    # bounded work that raises the GPU's clocks while the user types (model_glue.clock_warmer)
+    Call("warmGpu", "warm_gpu", handles=("session",), args=("seconds",)),
     Call("labDefaults", "lab_defaults", handles=("session",)),
     # fetches the weights through the browser's cache first, then loads the model (the result: chat_info)
     Call("openChat", "open_chat", args=("base", "options", "weights"), events=("weights", "fetched", "progress"),
@@ -81,10 +83,11 @@ HOOKS_PATH = "hooks/"
 
 def constants() -> dict:
     """What the page would otherwise copy from the runtime (name -> JSON value)."""
-    from chat.page import LAB_MAX_ITERS  # chat.page imports the WebGPU seam: only when asked
+    from chat.page import LAB_MAX_ITERS, WARM_GAP_SECONDS, WARM_SECONDS  # chat.page imports the WebGPU seam
 
     return {"SWITCH_AT": TILED_MAX_CONTEXT, "STOPPED_IN_PREFILL": STOPPED_IN_PREFILL,
-            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS}
+            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS,
+            "WARM_SECONDS": WARM_SECONDS, "WARM_GAP_SECONDS": WARM_GAP_SECONDS}
 
 
 def page_api_js() -> str:

@@ -14,6 +14,7 @@ import random
 import struct
 
 from model_glue.artifact import KernelLibrary, http_readers
+from model_glue.clock_warmer import ClockWarmer
 from model_glue.errors import ModelError
 from model_glue.device import open_device
 from model_glue.webgpu import DeviceLostError
@@ -30,6 +31,7 @@ class Session:
     def __init__(self, device, library):
         self.device = device
         self.library = library
+        self.warmer = ClockWarmer(device, library)
 
     @classmethod
     async def open(cls, read_text) -> "Session":
@@ -87,6 +89,17 @@ def describe_device(session: Session) -> str:
 async def self_test(session: Session) -> str:
     """The probe kernel against Python's sums (JSON)."""
     return json.dumps(await session.run_probe())
+
+
+# While the user types, the page keeps the GPU's clocks up (model_glue.clock_warmer): a warm of
+# WARM_SECONDS at most every WARM_SECONDS + WARM_GAP_SECONDS; `?warm=off` turns it off.
+WARM_SECONDS = 0.4
+WARM_GAP_SECONDS = 0.3
+
+
+async def warm_gpu(session: Session, seconds: float) -> str:
+    """Bounded streaming work that raises the GPU's clocks before a reply (JSON: seconds, dispatches)."""
+    return json.dumps(await session.warmer.warm(min(float(seconds), 2 * WARM_SECONDS)))
 
 
 async def watch_device(session: Session, on_lost) -> None:

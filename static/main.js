@@ -8,7 +8,7 @@ import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setB
 import { exportSteps } from "./export.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
-import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
+import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT, WARM_GAP_SECONDS, WARM_SECONDS } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
 import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels } from "./weights_cache.js";
@@ -25,6 +25,8 @@ const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
   : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
   : `${MODEL} (random weights)`;
+// ?warm=off: no GPU work while the user types (by default it raises the clocks for the reply to come).
+const WARM = params.get("warm") !== "off";
 // ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 watchLongTasks();
@@ -216,6 +218,20 @@ async function openGguf(app, file, cached = null) {
   }
 }
 
+// While the user types (or fills in the long document), bounded GPU work raises the clocks, so the
+// reply runs at full speed from its first token (chat/page.py warm_gpu; ?warm=off turns it off).
+// At most one warm at a time, WARM_GAP_SECONDS apart, never during a reply.
+function warmClocks(app) {
+  if (!WARM || state.busy || state.warming || !state.chatReady) return;
+  if (performance.now() - (state.warmedAt || 0) < 1000 * (WARM_SECONDS + WARM_GAP_SECONDS)) return;
+  state.warming = true;
+  state.warmedAt = performance.now();
+  app.python.call("warmGpu", { seconds: WARM_SECONDS })
+    .then((result) => { state.warms = (state.warms || 0) + 1; state.lastWarm = JSON.parse(result); })
+    .catch(() => {})  // a lost device is reported by its own event
+    .finally(() => { state.warming = false; });
+}
+
 // What an exported JSON belongs to.
 function exportAbout() {
   const device = state.device;
@@ -269,7 +285,8 @@ async function boot() {
   $("compare").addEventListener("click", () => compare(app));
   $("new-chat").addEventListener("click", () => newChat(app));
   $("reload-model").addEventListener("click", () => reloadModel(app));
-  $("long-document").addEventListener("click", fillLongDocument);
+  $("long-document").addEventListener("click", () => { fillLongDocument(); warmClocks(app); });
+  $("prompt").addEventListener("input", () => warmClocks(app));
   $("export-csv").addEventListener("click", () => exportSteps("csv", exportAbout()));
   $("export-json").addEventListener("click", () => exportSteps("json", exportAbout()));
   $("open-gguf").hidden = false;

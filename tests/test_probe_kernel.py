@@ -44,3 +44,19 @@ def test_missing_value_is_a_clear_error(loop, gpu, library):
     buffers = {"x": gpu.storage_buffer(1024), "out": gpu.storage_buffer(4)}
     with pytest.raises(KeyError, match="'scale'"):
         kernel.bind(buffers, {"n": 1})
+
+
+def test_the_clock_warmer_is_bounded_and_keeps_its_buffers(loop, gpu, library):
+    """model_glue.clock_warmer: a warm stops after its time (plus the batch in flight), dispatches the
+    stream kernel at least once, and a second warm reuses its buffers (no new GPU buffers)."""
+    from model_glue.clock_warmer import ClockWarmer
+
+    warmer = ClockWarmer(gpu, library, words=1 << 16)
+    first = loop.run_until_complete(warmer.warm(0.05))
+    live = gpu.live_buffers
+    second = loop.run_until_complete(warmer.warm(0.05))
+    assert first["dispatches"] >= 1 and second["dispatches"] >= 1
+    assert first["seconds"] >= 0.05 and second["seconds"] < 30  # bounded: a batch doubles from one dispatch
+    assert gpu.live_buffers == live
+    warmer.release()
+    assert gpu.live_buffers == live - 3  # its two buffers and its binding's uniform

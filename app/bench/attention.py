@@ -30,11 +30,11 @@ from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
 from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
 from model_glue.attention import AttentionKernels, pick_layout, resolve_attention_kernels, runnable_builds
+from model_glue.clock_warmer import STREAM_GROUP_WORDS, STREAM_WORDS as CLOCK_STREAM_WORDS, ClockWarmer
 from contract.model import BENCH_SHAPES, MODEL_CONFIGS
 from model_glue.webgpu_native import WgpuDevice
 
-STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
-STREAM_GROUP_WORDS = 256 * 16
+STREAM_WORDS = CLOCK_STREAM_WORDS  # 96 MiB of f32: far beyond any cache, within default binding limits
 SHAPES = BENCH_SHAPES + [MODEL_CONFIGS["smollm2_135m"].attention_shape]
 TOLERANCE = {"float16": 2.5e-4, "float32": 1e-5}
 WARMUP_CALLS = 10
@@ -71,23 +71,10 @@ async def time_dispatches(device, dispatch, iters: int, method: str = "auto", ro
 
 
 async def ramp_clocks(device, library, seconds: float = 0.2) -> None:
-    """Keep the GPU streaming memory for about `seconds` (its clocks idle low: an H200 idles at
-    345 MHz and needs sustained work to reach its boost clock)."""
-    kernel = await library.kernel("stream_read")
-    groups = STREAM_WORDS // STREAM_GROUP_WORDS
-    x, partial = device.storage_buffer(STREAM_WORDS * 4), device.storage_buffer(groups * 256 * 4)
-    bound = kernel.bind({"x": x, "partial": partial}, {"num_groups": groups})
-    started, calls = time.perf_counter(), 1
-    while time.perf_counter() - started < seconds:  # batches double: a CPU adapter needs ~0.2 s per call
-        batch = device.batch()
-        for _ in range(calls):
-            bound.dispatch(batch)
-        batch.submit()
-        await device.read(partial, 4)
-        calls = min(2 * calls, 256)
-    bound.release()
-    device.destroy(x)
-    device.destroy(partial)
+    """Keep the GPU streaming memory for about `seconds` (model_glue.clock_warmer: its clocks idle low)."""
+    warmer = ClockWarmer(device, library, STREAM_WORDS)
+    await warmer.warm(seconds)
+    warmer.release()
 
 
 async def dispatch_floor(device, library, iters: int, method: str) -> tuple[float, float]:
