@@ -51,6 +51,7 @@ CALLS = (
     Call("selfTest", "self_test", handles=("session",)),
     # bounded work that raises the GPU's clocks while the user types (model_glue.clock_warmer)
     Call("warmGpu", "warm_gpu", handles=("session",), args=("seconds",)),
+    Call("stopWarm", "stop_warm", handles=("session",)),  # a reply starts: the warm stops after its batch
     Call("labDefaults", "lab_defaults", handles=("session",)),
     # fetches the weights through the browser's cache first, then loads the model (the result: chat_info)
     Call("openChat", "open_chat", args=("base", "options", "weights"), events=("weights", "fetched", "progress"),

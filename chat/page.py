@@ -14,7 +14,7 @@ import random
 import struct
 
 from model_glue.artifact import KernelLibrary, http_readers
-from model_glue.clock_warmer import ClockWarmer
+from model_glue.clock_warmer import PAGE_MAX_BATCH, ClockWarmer
 from model_glue.errors import ModelError
 from model_glue.device import open_device
 from model_glue.webgpu import DeviceLostError
@@ -31,7 +31,7 @@ class Session:
     def __init__(self, device, library):
         self.device = device
         self.library = library
-        self.warmer = ClockWarmer(device, library)
+        self.warmer = ClockWarmer(device, library, max_batch=PAGE_MAX_BATCH)
 
     @classmethod
     async def open(cls, read_text) -> "Session":
@@ -98,8 +98,16 @@ WARM_GAP_SECONDS = 0.3
 
 
 async def warm_gpu(session: Session, seconds: float) -> str:
-    """Bounded streaming work that raises the GPU's clocks before a reply (JSON: seconds, dispatches)."""
+    """Bounded streaming work that raises the GPU's clocks before a reply (JSON: seconds, dispatches,
+    cancelled). A CPU adapter has no clocks to raise: its warm is skipped (the page then stops asking)."""
+    if session.device.is_cpu:
+        return json.dumps({"seconds": 0, "dispatches": 0, "skipped": "a CPU adapter has no GPU clocks to raise"})
     return json.dumps(await session.warmer.warm(min(float(seconds), 2 * WARM_SECONDS)))
+
+
+def stop_warm(session: Session) -> None:
+    """Stop a running warm (a reply is about to start)."""
+    session.warmer.cancel()
 
 
 async def watch_device(session: Session, on_lost) -> None:

@@ -6,27 +6,32 @@ too light to ramp them: on the H200 the page's first reply after load decoded a 
 streams a buffer through the stream_read probe kernel for that long: the page runs it while the user
 types (static/main.js), the benchmarks before they time.
 
-It is bounded: it stops after `seconds` of wall time, and waits for each batch it submits (batches
-double from one dispatch up to MAX_BATCH), so nothing queues behind a reply that starts meanwhile.
+It is bounded: it stops after `seconds` of wall time or when `cancel()` is called (the page calls it as
+a reply starts: streaming work beside a reply slowed its decode from 442 to 259 tok/s on the H200), and
+waits for each batch it submits (batches double from one dispatch up to `max_batch`), so what can still
+be queued when a reply starts is one batch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 STREAM_KERNEL = "stream_read"  # kernels.probe.stream_read_probe
 STREAM_GROUP_WORDS = 256 * 16  # f32 words one workgroup of the probe reads
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
 MAX_BATCH = 256  # dispatches per submit at most (a CPU adapter takes ~0.2 s per dispatch)
+PAGE_MAX_BATCH = 16  # the page's: a batch of 96 MiB reads is ~0.5 ms at full clocks, a few ms at idle ones
 
 
 class ClockWarmer:
     """Streaming work that keeps a GPU busy; its buffers are made at the first `warm` and kept."""
 
-    def __init__(self, device, library, words: int = STREAM_WORDS):
-        self.device, self.library, self.words = device, library, words
+    def __init__(self, device, library, words: int = STREAM_WORDS, max_batch: int = MAX_BATCH):
+        self.device, self.library, self.words, self.max_batch = device, library, words, max_batch
         self._bound = None
         self._buffers = ()
+        self._cancelled = False
 
     async def _bind(self):
         kernel = await self.library.kernel(STREAM_KERNEL)
@@ -39,16 +44,22 @@ class ClockWarmer:
         """Stream for about `seconds`; returns how long it ran and how many dispatches it made."""
         if self._bound is None:
             await self._bind()
+        self._cancelled = False
         started, calls, dispatches = time.perf_counter(), 1, 0
-        while time.perf_counter() - started < seconds:
+        while time.perf_counter() - started < seconds and not self._cancelled:
             batch = self.device.batch()
             for _ in range(calls):
                 self._bound.dispatch(batch)
             batch.submit()
             await self.device.read(self._buffers[1], 4)
+            await asyncio.sleep(0)  # a native read may not yield: let a cancel (or a reply) run
             dispatches += calls
-            calls = min(2 * calls, MAX_BATCH)
-        return {"seconds": time.perf_counter() - started, "dispatches": dispatches}
+            calls = min(2 * calls, self.max_batch)
+        return {"seconds": time.perf_counter() - started, "dispatches": dispatches, "cancelled": self._cancelled}
+
+    def cancel(self) -> None:
+        """Stop a running `warm` after the batch in flight."""
+        self._cancelled = True
 
     def release(self) -> None:
         if self._bound is not None:

@@ -195,6 +195,7 @@ class Device:
         return {
             "adapter": self.adapter_name,
             "backend": self.backend,
+            "cpu": self.is_cpu,
             "shader_f16": self.has_f16,
             "timestamp_query": self.has_timestamps,
             "subgroup_min_size": self.subgroup_min_size,

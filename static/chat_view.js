@@ -76,17 +76,19 @@ export function send(app) {
   running = reply(app).finally(() => { running = null; });
 }
 
-// The box's text for a new turn (the page busy from here), or null when it is empty.
-function beginTurn() {
+// The box's text for a new turn (the page busy from here), or null when it is empty. A clock warm
+// still running (main.js warmClocks) stops first: streaming beside the reply would slow it.
+function beginTurn(app) {
   const text = $("prompt").value;
   if (!text.trim()) { chatError("The message is empty."); return null; }
   chatError("");
   setBusy(true);
+  if (state.warming) app.python.call("stopWarm", {});
   return text;
 }
 
 async function reply(app) {
-  const text = beginTurn();
+  const text = beginTurn(app);
   if (text === null) return;
   state.prefill = null;
   const userDiv = addMessage("user", text);
@@ -145,7 +147,7 @@ export function compare(app) {
 }
 
 async function compareNests(app) {
-  const text = beginTurn();
+  const text = beginTurn(app);
   if (text === null) return;
   $("compare-panel").hidden = false;
   $("compare-verdict").textContent = "running…";

@@ -222,7 +222,7 @@ async function openGguf(app, file, cached = null) {
 // reply runs at full speed from its first token (chat/page.py warm_gpu; ?warm=off turns it off).
 // At most one warm at a time, WARM_GAP_SECONDS apart, never during a reply.
 function warmClocks(app) {
-  if (!WARM || state.busy || state.warming || !state.chatReady) return;
+  if (!WARM || state.busy || state.warming || !state.chatReady || state.lastWarm?.skipped) return;
   if (performance.now() - (state.warmedAt || 0) < 1000 * (WARM_SECONDS + WARM_GAP_SECONDS)) return;
   state.warming = true;
   state.warmedAt = performance.now();

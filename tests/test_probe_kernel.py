@@ -60,3 +60,22 @@ def test_the_clock_warmer_is_bounded_and_keeps_its_buffers(loop, gpu, library):
     assert gpu.live_buffers == live
     warmer.release()
     assert gpu.live_buffers == live - 3  # its two buffers and its binding's uniform
+
+
+def test_a_warm_stops_when_cancelled(loop, gpu, library):
+    """cancel() ends a running warm after its batch in flight (the page cancels as a reply starts)."""
+    import asyncio
+
+    from model_glue.clock_warmer import ClockWarmer
+
+    warmer = ClockWarmer(gpu, library, words=1 << 16, max_batch=4)
+
+    async def warm_then_cancel():
+        task = asyncio.ensure_future(warmer.warm(60))
+        await asyncio.sleep(0.2)
+        warmer.cancel()
+        return await task
+
+    result = loop.run_until_complete(warm_then_cancel())
+    warmer.release()
+    assert result["cancelled"] and result["dispatches"] >= 1 and result["seconds"] < 30, result
