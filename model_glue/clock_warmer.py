@@ -1,10 +1,11 @@
 """Raising the GPU's clocks before work that must run at full speed.
 
-Between chat turns a GPU idles at low clocks (an H200 at 345 MHz) and a decode step is too short and
-too light to ramp them: on the H200 the page's first reply after load decoded a 1B-shape model at
-6.4-7.1 ms of GPU time a step, the same steps 1.84 ms a moment later. `ClockWarmer.warm(seconds)`
-streams a buffer through the stream_read probe kernel for that long: the page runs it while the user
-types (static/main.js), the benchmarks before they time.
+Between chat turns a GPU idles at low clocks (an H200 at 345 MHz). `ClockWarmer.warm(seconds)` streams
+a buffer through the stream_read probe kernel for that long: the benchmarks run it before they time,
+and the page, with `?warm=on`, while the user types (static/main.js). In the page on the H200 it did
+not help a reply: after 1.5 s of typing with warms a 1B-shape model's first reply decoded at 259 tok/s
+(5.2 ms of GPU a step), without them at 486 tok/s (1.95 ms), and after 30 s idle 238 against 357
+tok/s (docs/benchmarks.md); so the page leaves it off by default.
 
 It is bounded: it stops after `seconds` of wall time or when `cancel()` is called (the page calls it as
 a reply starts: streaming work beside a reply slowed its decode from 442 to 259 tok/s on the H200), and

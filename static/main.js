@@ -25,8 +25,9 @@ const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
   : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
   : `${MODEL} (random weights)`;
-// ?warm=off: no GPU work while the user types (by default it raises the clocks for the reply to come).
-const WARM = params.get("warm") !== "off";
+// ?warm=on: bounded GPU work while the user types, to raise the clocks for the reply to come. Off by
+// default: on the H200 streaming work before a reply made its decode slower, not faster (docs/benchmarks.md).
+const WARM = params.get("warm") === "on";
 // ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 watchLongTasks();
@@ -218,9 +219,9 @@ async function openGguf(app, file, cached = null) {
   }
 }
 
-// While the user types (or fills in the long document), bounded GPU work raises the clocks, so the
-// reply runs at full speed from its first token (chat/page.py warm_gpu; ?warm=off turns it off).
-// At most one warm at a time, WARM_GAP_SECONDS apart, never during a reply.
+// With ?warm=on, while the user types (or fills in the long document), bounded GPU work is meant to
+// raise the clocks before the reply (chat/page.py warm_gpu). At most one warm at a time,
+// WARM_GAP_SECONDS apart; a reply stops it (chat_view.js beginTurn).
 function warmClocks(app) {
   if (!WARM || state.busy || state.warming || !state.chatReady || state.lastWarm?.skipped) return;
   if (performance.now() - (state.warmedAt || 0) < 1000 * (WARM_SECONDS + WARM_GAP_SECONDS)) return;
