@@ -196,3 +196,29 @@ def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_
         assert 1 <= len(result["token_ids"]) <= 6
     finally:
         chat.model.release()
+
+
+def test_tensors_upload_in_chunks_of_whole_blocks(loop, gpu, test_library, tmp_path, monkeypatch):
+    """With chunks far smaller than a tensor (and not a multiple of 4 bytes: Q6_K blocks are 210), the
+    model is the same as from whole tensors: each chunk's repack writes from its own first block."""
+    from model_glue import gguf_upload
+
+    path = tmp_path / "model.gguf"
+    dense = write_llama_gguf(path, TINY, types={"matrix": "Q6_K", "embed": "Q4_K"}, seed=8)
+    whole = load(loop, gpu, test_library, path)
+    try:
+        want = dense_weights(loop, gpu, whole)
+    finally:
+        whole.release()
+    monkeypatch.setattr(gguf_upload, "CHUNK_BYTES", 3 * 210 + 5)  # three Q6_K blocks, two Q4_K blocks a chunk
+    chunks = gguf_upload.tensor_chunks(__import__("model_glue.gguf_file", fromlist=["x"]).GGUFTensor(
+        "t", 14, (256, 40), 0, 40 * 210))
+    assert len(chunks) == 14 and chunks[1] == (630, 630, 24) and chunks[-1] == (13 * 630, 210, 13 * 24)
+    chunked = load(loop, gpu, test_library, path)
+    try:
+        got = dense_weights(loop, gpu, chunked)
+        assert all(np.array_equal(got[name], want[name]) for name in want)
+        worst, agree = compare(loop, chunked, dense)
+        assert worst < 0.3 and agree >= 3
+    finally:
+        chunked.release()
