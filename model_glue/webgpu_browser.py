@@ -15,6 +15,12 @@ from model_glue.webgpu import (
     MAP_READ, OPTIONAL_FEATURES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
 )
 
+
+def _is_null(value) -> bool:
+    """JS null: Pyodide gives it as its own JsNull object, not None."""
+    return value is None or type(value).__name__ == "JsNull"
+
+
 # How long a failed map waits for the device's `lost` promise before the failure is classified.
 LOST_WAIT_MS = 200
 
@@ -33,8 +39,9 @@ class BrowserDevice(Device):
         if gpu is None:
             raise WebGPUUnavailable("this browser has no WebGPU (navigator.gpu is missing)")
         adapter = await gpu.requestAdapter(_js({"powerPreference": "high-performance"}))
-        if adapter is None:
-            raise WebGPUUnavailable("WebGPU is present but no adapter was granted")
+        if _is_null(adapter):
+            raise WebGPUUnavailable("WebGPU is present but the browser granted no adapter (it may be turned off "
+                                    "or blocklisted here; chrome://gpu says why)")
         limits = negotiate_limits(lambda name: getattr(adapter.limits, name), limit_caps)
         features = {f for f in OPTIONAL_FEATURES if adapter.features.has(f)}
         device = await adapter.requestDevice(

@@ -84,6 +84,20 @@ def test_no_webgpu_is_said_plainly(browser, server):
     tab.close()
 
 
+def test_webgpu_without_an_adapter_is_said_plainly(tmp_path, server):
+    """navigator.gpu present but requestAdapter() resolving to null: Debian's Chromium without
+    --enable-unsafe-webgpu (WebGPU not enabled on this platform). Pyodide hands JS null over as JsNull,
+    not None: the page once showed "'JsNull' object has no attribute 'limits'"."""
+    from conftest import chromium
+
+    with chromium(tmp_path / "profile", without=("--enable-unsafe-webgpu",)) as context:
+        tab = context.new_page()
+        tab.goto(server + "/")
+        tab.wait_for_function("() => window.demoState && window.demoState.error", timeout=120_000)
+        error = tab.inner_text("#error")
+        assert "granted no adapter" in error and "JsNull" not in error, error
+
+
 # Every kernel of the served artifact this adapter's features allow, handed to Chromium's WGSL
 # compiler (Tint) one by one in a fresh device: its resolver enforces the uniformity rules naga may
 # not (the workgroupBarrier()s of the shards layout and the subgroup shuffles of the subgroup layout
