@@ -114,9 +114,8 @@ FAST_SWIFTSHADER_FLAGS = ["--enable-dawn-features=disable_workgroup_init"]
 
 
 @contextlib.contextmanager
-def chromium(profile_dir, extra_flags=(), without=()):
-    """Debian's chromium (never a Playwright download), a fresh profile, WebGPU on SwiftShader (flags in
-    `without` left out)."""
+def chromium(profile_dir, extra_flags=()):
+    """Debian's chromium (never a Playwright download), a fresh profile, WebGPU on SwiftShader."""
     path = shutil.which("chromium") or "/usr/bin/chromium"
     if not Path(path).exists():
         pytest.fail("Debian's chromium is not installed: run `make test`, which installs it")
@@ -124,8 +123,7 @@ def chromium(profile_dir, extra_flags=(), without=()):
 
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(str(profile_dir), executable_path=path, headless=True,
-                                                        args=[f for f in CHROMIUM_FLAGS if f not in without]
-                                                        + list(extra_flags))
+                                                        args=CHROMIUM_FLAGS + list(extra_flags))
         yield context
         context.close()
 

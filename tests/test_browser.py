@@ -84,18 +84,23 @@ def test_no_webgpu_is_said_plainly(browser, server):
     tab.close()
 
 
-def test_webgpu_without_an_adapter_is_said_plainly(tmp_path, server):
-    """navigator.gpu present but requestAdapter() resolving to null: Debian's Chromium without
-    --enable-unsafe-webgpu (WebGPU not enabled on this platform). Pyodide hands JS null over as JsNull,
-    not None: the page once showed "'JsNull' object has no attribute 'limits'"."""
-    from conftest import chromium
+def test_webgpu_without_an_adapter_is_said_plainly(browser, server):
+    """navigator.gpu present but requestAdapter() resolving to null (Debian's Chromium without
+    --enable-unsafe-webgpu, WebGPU not enabled on the platform): the worker's requestAdapter is made to
+    answer null. Pyodide hands JS null over as JsNull, not None: the page once showed
+    "'JsNull' object has no attribute 'limits'"."""
+    def no_adapter(route):
+        body = route.fetch().text()
+        route.fulfill(body="GPU.prototype.requestAdapter = async function () { return null; };\n" + body,
+                      content_type="text/javascript")
 
-    with chromium(tmp_path / "profile", without=("--enable-unsafe-webgpu",)) as context:
-        tab = context.new_page()
-        tab.goto(server + "/")
-        tab.wait_for_function("() => window.demoState && window.demoState.error", timeout=120_000)
-        error = tab.inner_text("#error")
-        assert "granted no adapter" in error and "JsNull" not in error, error
+    tab = browser.new_page()
+    tab.route("**/python_worker.js", no_adapter)
+    tab.goto(server + "/")
+    tab.wait_for_function("() => window.demoState && window.demoState.error", timeout=120_000)
+    error = tab.inner_text("#error")
+    assert "granted no adapter" in error and "JsNull" not in error, error
+    tab.close()
 
 
 # Every kernel of the served artifact this adapter's features allow, handed to Chromium's WGSL
