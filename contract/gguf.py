@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.model import LlamaConfig
+
 
 @dataclass(frozen=True)
 class GGMLType:
@@ -55,3 +57,37 @@ def repack_kernel_name(source: str, target: str) -> str:
 def type_name(type_id: int) -> str:
     known = GGML_TYPES_BY_ID.get(type_id)
     return known.name if known else GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
+
+
+ARCHITECTURE = "llama"
+
+
+def llama_config_from_metadata(metadata: dict, *, has_output_head: bool, embedding_rows: int | None = None) -> LlamaConfig:
+    """The model config a llama GGUF's metadata gives (values as Python; the runtime's pure-Python
+    reader and the converter's `gguf` package both produce them), without RoPE scaling: that is the
+    rope_freqs tensor, matched against the contract's configs by the runtime. ValueError names what is
+    missing or not llama."""
+    arch = metadata.get("general.architecture")
+    if arch != ARCHITECTURE:
+        raise ValueError(f"this GGUF's architecture is {arch!r}; the runtime runs {ARCHITECTURE!r} models "
+                         "(Llama 2 / 3.x, SmolLM / SmolLM2, TinyLlama and the like)")
+
+    def field(key, default=None):
+        value = metadata.get(f"{ARCHITECTURE}.{key}", default)
+        if value is None:
+            raise ValueError(f"the GGUF lacks {ARCHITECTURE}.{key}")
+        return value
+
+    dim, n_heads = int(field("embedding_length")), int(field("attention.head_count"))
+    vocab = metadata.get(f"{ARCHITECTURE}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ()) \
+        or embedding_rows
+    if not vocab:
+        raise ValueError("the GGUF gives no vocabulary size (llama.vocab_size, tokenizer.ggml.tokens)")
+    return LlamaConfig(
+        dim=dim, n_layers=int(field("block_count")), n_heads=n_heads,
+        n_kv_heads=int(field("attention.head_count_kv", n_heads)),
+        head_dim=int(field("attention.key_length", 0) or field("rope.dimension_count", 0) or dim // n_heads),
+        ffn_dim=int(field("feed_forward_length")), vocab_size=int(vocab),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        rms_eps=round(float(field("attention.layer_norm_rms_epsilon")), 12),  # f32: 9.99999974738e-06 means 1e-05
+        tied_embeddings=not has_output_head)

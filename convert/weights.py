@@ -36,6 +36,7 @@ import numpy as np
 
 from convert.gguf_fields import gguf_field, open_gguf
 
+from contract.gguf import llama_config_from_metadata
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
 from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig
 
@@ -255,27 +256,16 @@ def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 def gguf_config(reader) -> LlamaConfig:
-    """The model config from GGUF metadata (llama architecture only)."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConvertError(f"expected a llama GGUF, got architecture {arch!r}")
-    dim = int(gguf_field(reader, "llama.embedding_length"))
-    n_heads = int(gguf_field(reader, "llama.attention.head_count"))
-    vocab = gguf_field(reader, "llama.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return LlamaConfig(
-        dim=dim,
-        n_layers=int(gguf_field(reader, "llama.block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", n_heads)),
-        head_dim=int(gguf_field(reader, "llama.rope.dimension_count", dim // n_heads)),
-        ffn_dim=int(gguf_field(reader, "llama.feed_forward_length")),
-        vocab_size=int(vocab),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        # float32 metadata: round to the value llama.cpp means (9.99999974738e-06 -> 1e-05)
-        rms_eps=round(float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")), 12),
-    )
+    """The model config from GGUF metadata (contract.gguf.llama_config_from_metadata, the runtime's too)."""
+    metadata = {key: gguf_field(reader, key) for key in reader.fields
+                if key == "general.architecture" or key.startswith("llama.")}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    try:
+        return llama_config_from_metadata(metadata, has_output_head="output.weight" in names,
+                                          embedding_rows=len(tokens.data) if tokens is not None else None)
+    except ValueError as err:
+        raise ConvertError(str(err)) from err
 
 
 def _gguf_tensors(reader) -> dict:

@@ -16,45 +16,24 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from contract.gguf import GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS
+from contract.gguf import ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata
 from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, model_tensors, rope_frequency_divisors
 from model_glue.errors import ModelError
 from model_glue.gguf_file import GGUFHeader, GGUFTensor
 
-ARCHITECTURE = "llama"
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_FREQS_RTOL = 1e-4  # the file's f32 divisors against the contract's formula
 
 
-def _field(header: GGUFHeader, key: str, default=None, *, required: bool = False):
-    value = header.get(f"{ARCHITECTURE}.{key}", default)
-    if value is None and required:
-        raise ModelError(f"the GGUF lacks {ARCHITECTURE}.{key}")
-    return value
-
-
 def llama_config(header: GGUFHeader) -> LlamaConfig:
-    """The file's model config, without RoPE scaling: a file's rope_freqs tensor is matched against the
-    contract's scaled configs in `kernel_config_name`."""
-    arch = header.get("general.architecture")
-    if arch != ARCHITECTURE:
-        raise ModelError(f"this GGUF's architecture is {arch!r}; the runtime runs {ARCHITECTURE!r} models "
-                         "(Llama 2 / 3.x, SmolLM / SmolLM2, TinyLlama and the like)")
-    dim = int(_field(header, "embedding_length", required=True))
-    n_heads = int(_field(header, "attention.head_count", required=True))
-    tokens = header.get("tokenizer.ggml.tokens") or []
+    """The file's model config (contract.gguf.llama_config_from_metadata), without RoPE scaling: a
+    file's rope_freqs tensor is matched against the contract's scaled configs in `kernel_config_name`."""
     embedding = header.tensors.get("token_embd.weight")
-    vocab = _field(header, "vocab_size") or len(tokens) or (embedding.shape[1] if embedding else 0)
-    eps = _field(header, "attention.layer_norm_rms_epsilon", required=True)
-    return LlamaConfig(
-        dim=dim, n_layers=int(_field(header, "block_count", required=True)), n_heads=n_heads,
-        n_kv_heads=int(_field(header, "attention.head_count_kv", n_heads)),
-        head_dim=int(_field(header, "attention.key_length", 0) or _field(header, "rope.dimension_count", 0)
-                     or dim // n_heads),
-        ffn_dim=int(_field(header, "feed_forward_length", required=True)), vocab_size=int(vocab),
-        rope_theta=float(_field(header, "rope.freq_base", 10000.0)),
-        rms_eps=round(float(eps), 12),  # f32 metadata: 9.99999974738e-06 means 1e-05
-        tied_embeddings="output.weight" not in header.tensors)
+    try:
+        return llama_config_from_metadata(header.metadata, has_output_head="output.weight" in header.tensors,
+                                          embedding_rows=embedding.shape[1] if embedding else None)
+    except ValueError as err:
+        raise ModelError(str(err)) from err
 
 
 def _same_divisors(config: LlamaConfig, divisors: list[float]) -> bool:
@@ -163,7 +142,7 @@ def f32_values(tensor: GGUFTensor, raw: bytes) -> bytes:
 
 
 def context_length(header: GGUFHeader) -> int:
-    return int(_field(header, "context_length", DEFAULT_CONTEXT_LENGTH))
+    return int(header.get(f"{ARCHITECTURE}.context_length", DEFAULT_CONTEXT_LENGTH))
 
 
 def parse_f32(raw: bytes) -> list[float]:

@@ -22,7 +22,7 @@ from model_glue.loading import load_gguf_model
 from model_glue.options import RunOptions
 from app.bench.gguf_files import write_llama_gguf
 from model_reference import ReferenceLlama
-from test_synthetic import dense_weights
+from test_synthetic import dense_weights, logits_of, rel_l2
 
 TINY = ALL_MODEL_CONFIGS["tiny_llama"]
 
@@ -31,14 +31,6 @@ def load(loop, gpu, library, path, dtype="float32", **options):
     read, size = file_reader(path)
     return loop.run_until_complete(load_gguf_model(gpu, library, read, size, dtype=dtype,
                                                    options=RunOptions(**{"max_context": 512, "warm_up": False, **options})))
-
-
-def logits_of(loop, model):
-    return np.frombuffer(loop.run_until_complete(model.read_logits()), np.float32).astype(np.float64)
-
-
-def rel_l2(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def compare(loop, model, dense, steps=4, prompt_len=12, seed=1):
