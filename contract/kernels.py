@@ -83,6 +83,28 @@ def attention_kernel_name(kernel: str, shape: AttentionShape, dtype: str, slidin
 
 
 # -- the model's kernels --------------------------------------------------------------------------------
+# The decode matmul gives each thread 4 weight rows where that still leaves QUAD_MIN_WORKGROUPS
+# workgroups, 2 where PAIRED_MIN_WORKGROUPS remain, else 1 (MatmulSpec.rows_per_thread). Fitted to
+# the H200 (docs/benchmarks.md): more rows a thread share each load of x; fewer leave more
+# workgroups to fill its 132 SMs.
+QUAD_MIN_WORKGROUPS = 512
+PAIRED_MIN_WORKGROUPS = 384
+MATMUL_ROWS = 8  # weight rows (threadIdx.y) of a decode matmul's workgroup: 8 x 32 lanes
+
+
+@dataclass(frozen=True)
+class RopeAppend:
+    """The decode qkv matmul's epilogue: adjacent-pair RoPE on the q and k columns (Llama 3's
+    `scaling` where given, as contract.model.LlamaConfig.rope_scaling), q written to `q`, k and v
+    into the token's slot of the layer's pages. It replaces a rope_append dispatch per layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    theta: float
+    scaling: tuple | None = None
+
+
 @dataclass(frozen=True)
 class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
@@ -100,6 +122,10 @@ class MatmulSpec:
     swiglu: bool = False
     out_dtype: str | None = None  # y's dtype (default: dtype); the head writes f32 logits
     tiled: bool = False
+    rope_append: RopeAppend | None = None  # instead of y: q, and K/V into the pages (decode only)
+    # The head: each workgroup also writes its columns' largest (value, index) to `best`, so the
+    # argmax reads out_features / columns_per_group pairs rather than every logit.
+    argmax_partials: bool = False
 
     @property
     def builder(self) -> str:
@@ -107,8 +133,37 @@ class MatmulSpec:
 
     @property
     def buffers(self) -> tuple[str, ...]:
+        outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
         return ("x",) + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
-            + ("resid",) * self.residual + ("y",)
+            + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials
+
+    @property
+    def rows_per_thread(self) -> int:
+        """Weight rows per thread of the decode matmul: each loaded x (and norm weight) serves this
+        many, but more rows a thread leave fewer workgroups to fill the GPU. With SwiGLU a thread
+        takes the gate and the up row of each of its columns, so at least two. Measured on the H200
+        (one device call, f16): 4 rows took the 8B shape's gate/up 2.27 -> 2.08 ms a step and the
+        1B's 452 -> 417 us, but SmolLM2's (96 workgroups left) 280 -> 330 us; 1 row instead of 2
+        took the 8B's down 1.46 -> 1.34 ms (256 -> 512 workgroups) and the 1B's qkv 241 -> 212 us
+        (192 -> 384), but the 8B's qkv 0.80 -> 0.90 ms (384 -> 768)."""
+        def leaves(rows: int, minimum: int) -> bool:  # rows a thread leave at least `minimum` workgroups
+            columns = MATMUL_ROWS * rows // (2 if self.swiglu else 1)
+            width = self.out_features // 2 if self.swiglu else self.out_features
+            return width % columns == 0 and width // columns >= minimum
+
+        if leaves(4, QUAD_MIN_WORKGROUPS):
+            return 4
+        return 2 if self.swiglu or leaves(2, PAIRED_MIN_WORKGROUPS) else 1
+
+    @property
+    def columns_per_group(self) -> int:
+        """Output columns (of y) one decode workgroup computes."""
+        return MATMUL_ROWS * self.rows_per_thread // (2 if self.swiglu else 1)
+
+    @property
+    def workgroups(self) -> int:
+        """Decode workgroups: one per columns_per_group columns of y."""
+        return (self.out_features // 2 if self.swiglu else self.out_features) // self.columns_per_group
 
     @property
     def args(self) -> tuple:
@@ -126,8 +181,9 @@ class KernelRole:
 
 
 # The layer's matmuls, each with what is folded into it (LAYER_MATMULS[m] gives the weight matrix it
-# reads). On GPUs a layer is norm_qkv, RoPE/append, attention, o_residual, norm_gate_up_swiglu and
-# down_residual; CPU rasterizers run rms_norm, qkv, ..., rms_norm, gate_up, swiglu, down_residual.
+# reads). On GPUs a decode step's layer is norm_qkv_rope_append, attention, o_residual,
+# norm_gate_up_swiglu and down_residual (a prefill pass: norm_qkv, then rope_append); CPU rasterizers
+# run rms_norm, qkv, rope_append, ..., rms_norm, gate_up, swiglu, down_residual.
 LAYER_MATMULS = {
     "norm_qkv": "qkv",  # qkv = norm(x) @ Wqkv^T
     "qkv": "qkv",
@@ -149,12 +205,17 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
         "rope_append": KernelRole("rope_and_append", (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype, c.rope_scaling),
                                   ("qkv", "positions", "slots", "pages", "q")),
         "swiglu": KernelRole("swiglu", (c.ffn_dim, dtype), ("gate_up", "h")),
-        # the head: the tied embedding (q8), f32 logits for the argmax or the sampler
-        "norm_lm_head": MatmulSpec(c.vocab_size, c.dim, dtype, "q8", norm_eps=c.rms_eps, out_dtype="float32"),
-        "lm_head": MatmulSpec(c.vocab_size, c.dim, dtype, "q8", out_dtype="float32"),
-        "argmax": KernelRole("argmax", (c.vocab_size,), ("logits", "out")),
+        # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
+        # (value, index) for the argmax
+        "norm_lm_head": head_spec(c, dtype, folded=True),
+        "lm_head": head_spec(c, dtype, folded=False),
+        "argmax": KernelRole("argmax_partials", (head_spec(c, dtype).workgroups, c.vocab_size), ("best", "out")),
         "sample": KernelRole("sample_top_k_top_p", (c.vocab_size, MAX_TOP_K), ("logits", "out")),
     }
+    # GPUs' decode step: the qkv matmul with the norm folded in and RoPE + the K/V append as its epilogue
+    roles["norm_qkv_rope_append_decode"] = MatmulSpec(
+        *weights["qkv"], dtype, norm_eps=c.rms_eps,
+        rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     for phase in ("decode", "prefill"):
         for matmul, weight in LAYER_MATMULS.items():
             roles[f"{matmul}_{phase}"] = MatmulSpec(
@@ -162,6 +223,12 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
                 tiled=phase == "prefill")
     return roles
+
+
+def head_spec(c: LlamaConfig, dtype: str, folded: bool = True) -> MatmulSpec:
+    """The head (the final RMSNorm folded in on GPUs): q8, f32 logits and the argmax's partials."""
+    return MatmulSpec(c.vocab_size, c.dim, dtype, "q8", norm_eps=c.rms_eps if folded else None, out_dtype="float32",
+                      argmax_partials=True)
 
 
 def model_kernel_name(config_name: str, role: str, dtype: str) -> str:

@@ -38,6 +38,7 @@ BUILDERS = {
     "quantized_matmul_tiled": quantized_matmul_tiled,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
+    "argmax_partials": llama.argmax_partials,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
     "gguf_repack": gguf_repack,
@@ -243,11 +244,13 @@ TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, sw
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
 
 
-# The decode matmul (kernels.llama.quantized_matmul) on the Llama shapes' row widths, with one weight
-# row a thread (few rows) and two (enough rows for PAIRED_MIN_WORKGROUPS workgroups: SwiGLU's gate and
-# up rows in one thread; two rows with the norm and the residual).
+# The decode matmul (kernels.llama.quantized_matmul) on the Llama shapes' row widths, with one, two and
+# four weight rows a thread (contract.kernels.MatmulSpec.rows_per_thread: two where enough rows remain
+# for PAIRED_MIN_WORKGROUPS workgroups, four for QUAD_MIN_WORKGROUPS; SwiGLU's gate and up rows in one
+# thread), named by it.
 TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "long_residual": (40, 4096, True, False, False),
-                       "paired_norm_residual": (2048, 1024, True, True, False)}
+                       "paired_norm_residual": (6144, 256, True, True, False), "quad_norm_swiglu": (16384, 128, False, True, True),
+                       "quad_residual": (16384, 96, True, False, False)}
 
 
 def prefill_matmul_test_name(flags: str, dtype: str) -> str:

@@ -15,13 +15,10 @@ import math
 
 from tvm.script import tirx as T
 
-from contract.kernels import PAGE_SIZE, MatmulSpec
+from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
-# The decode matmul gives each thread two weight rows only when that still leaves this many
-# workgroups (quantized_matmul): about one per SM of the GPUs measured (the H200 has 132).
-PAIRED_MIN_WORKGROUPS = 128
 
 
 def _sign_extend_byte(word, k):
@@ -103,7 +100,7 @@ def quantized_matmul(spec: MatmulSpec):
     RMSNorm before it and the SwiGLU after it folded in, so neither is a dispatch of its own.
 
     256 invocations = ROWS (8) x LANES (32) lanes, each thread one weight row or, where enough
-    workgroups remain, two (ROWS_PER_THREAD: one load of x serves both); a lane walks the row's packed words
+    workgroups remain, two (spec.rows_per_thread: one load of x serves both); a lane walks the row's packed words
     with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once and
     applies it to the TOKENS tokens of its workgroup (1: the decode step and the head; prefill passes
     run kernels.prefill_matmul, which tiles tokens as well as rows). The 32
@@ -117,8 +114,16 @@ def quantized_matmul(spec: MatmulSpec):
     either.
 
     With `swiglu`, W holds the gate rows then the up rows ([2F, in]) and y[n, F] =
-    silu(x @ Wg^T) * (x @ Wu^T): a workgroup's rows 0-3 are gate rows and rows 4-7 the up rows of
-    the same four outputs, so the epilogue finds both totals in workgroup memory.
+    silu(x @ Wg^T) * (x @ Wu^T): a thread takes the gate row and the up row of each of its columns,
+    so the epilogue finds both totals in workgroup memory.
+
+    With `rope_append` (the decode qkv matmul), y is not written: the epilogue rotates each q and k
+    column with its pair's other column (rows r and r ^ 1 of the workgroup: a pair never crosses a
+    workgroup's 8-column groups) and writes q to `q` and k, v into the token's page slot, in f32 from
+    the totals (rope_and_append, the separate dispatch, reads them rounded to `dtype`).
+
+    With `argmax_partials` (the head), each workgroup also writes the largest of its columns and
+    its index (the lowest on ties) to best[workgroup], for argmax_partials.
 
     Both folds are for GPUs, where a dispatch costs more than the work folded in. On lavapipe
     they cost more than the dispatches they save (SmolLM2 decode: the folded qkv 2.0 ms against
@@ -127,49 +132,85 @@ def quantized_matmul(spec: MatmulSpec):
     """
     assert not spec.tiled
     out_features, in_features, dtype, weight_format = spec.out_features, spec.in_features, spec.dtype, spec.weights
-    residual, norm_eps, swiglu = spec.residual, spec.norm_eps, spec.swiglu
-    ROWS, LANES = 8, 32
+    residual, norm_eps, swiglu, rope = spec.residual, spec.norm_eps, spec.swiglu, spec.rope_append
+    rotates = rope is not None  # TVMScript's `if` takes a bool, not any object
+    ROWS, LANES = MATMUL_ROWS, 32
     TOKENS = 1  # tokens per workgroup: decode passes and the head run one
-    # Weight rows per thread: each loaded x (and norm weight) serves this many rows. With SwiGLU a
-    # thread always takes a gate row and the up row of the same column, so its epilogue has both
-    # totals. Otherwise two rows halve the workgroups, which pays only while enough remain to fill the
-    # GPU: on the H200 the 8B shape's gate/up went 6.20 -> 3.48 ms and qkv 1.59 -> 1.01 ms, but
-    # SmolLM2's o and down (36 workgroups with two rows a thread) went 224 -> 273 and 278 -> 335 us.
-    paired_workgroups = out_features // (2 * ROWS)
-    ROWS_PER_THREAD = 2 if swiglu or (out_features % (2 * ROWS) == 0 and paired_workgroups >= PAIRED_MIN_WORKGROUPS) \
-        else 1
+    ROWS_PER_THREAD = spec.rows_per_thread
     PER_WORD = 8 if weight_format == "q4" else 4
     WORDS = in_features // PER_WORD
     WORD_TRIPS = (WORDS + LANES - 1) // LANES
+    X_VECS = PER_WORD // 4  # x's (and the norm's) 4-wide vectors per packed word
     OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
-    COLUMNS_PER_GROUP = ROWS if swiglu else ROWS * ROWS_PER_THREAD  # y's columns per workgroup
+    COLUMNS_PER_GROUP = spec.columns_per_group  # y's columns per workgroup
     DOTS = ROWS_PER_THREAD * ROWS * TOKENS * LANES  # the lanes' partial dots, then (normed) row 0's x^2 sums
     normed = norm_eps is not None
     out_dtype = spec.out_dtype or dtype
     assert OUT_COLUMNS % COLUMNS_PER_GROUP == 0 and in_features % BLOCK == 0
+    # rope_append: q heads, then k heads, then v heads in the qkv columns; a page row per token
+    H, HKV, D = (rope.n_heads, rope.n_kv_heads, rope.head_dim) if rope else (1, 1, 2)
+    Q_COLUMNS, QK_COLUMNS = H * D, (H + HKV) * D
+    assert not rope or (OUT_COLUMNS == (H + 2 * HKV) * D and TOKENS == 1 and not swiglu and not residual)
+
+    COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
 
     def weight_row(rb, r, q):
-        if swiglu:  # q = 0: the gate row of column rb * ROWS + r; q = 1: its up row
-            return q * OUT_COLUMNS + rb * ROWS + r
+        # a thread's columns are rb * COLUMNS_PER_GROUP + c * ROWS + r; with swiglu q = 2c is
+        # column c's gate row and q = 2c + 1 its up row
+        if swiglu:
+            return (q % 2) * OUT_COLUMNS + rb * COLUMNS_PER_GROUP + (q // 2) * ROWS + r
         return rb * COLUMNS_PER_GROUP + q * ROWS + r
+
+    def dot_row(c):  # the row (q) whose dot makes column c of the thread
+        return 2 * c if swiglu else c
 
     def weight_value(word, k, s, m):
         if weight_format == "q4":
             return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15))) * s + m
         return T.Cast("float32", _sign_extend_byte(word, k)) * s
 
+    @T.macro
+    def rope_epilogue(total, column, position, slot_index, pages, q_out):
+        # total[0] is this column's value, total[2] its pair's: rotate (q, k), then store (q, k, v)
+        page: T.let[T.int32] = slot_index // PAGE_SIZE
+        slot: T.let[T.int32] = slot_index % PAGE_SIZE
+        head: T.let[T.int32] = column // D
+        i: T.let[T.int32] = column % D
+        if column < QK_COLUMNS:
+            angle: T.let[T.float32] = T.Cast("float32", position) * rope_inv_freq(i // 2, D, rope.theta, rope.scaling)
+            c: T.let[T.float32] = T.cos(angle)
+            sn: T.let[T.float32] = T.sin(angle)
+            # the even column of a pair is x0, the odd x1: (x0 c - x1 s, x0 s + x1 c)
+            if i % 2 == 0:
+                total[3] = total[0] * c - total[2] * sn
+            else:
+                total[3] = total[2] * sn + total[0] * c
+            if column < Q_COLUMNS:
+                q_out[0, head, i] = T.Cast(dtype, total[3])
+            else:
+                pages[page, 0, head - H, slot, i] = T.Cast(dtype, total[3])
+        else:
+            pages[page, 1, (column - QK_COLUMNS) // D, slot, i] = T.Cast(dtype, total[0])
+
     @T.prim_func(s_tir=True)
     def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
-               resid_h: T.handle, y_h: T.handle):
+               resid_h: T.handle, y_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle,
+               q_h: T.handle, best_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
-        x = T.match_buffer(x_h, (n, in_features), dtype)
-        norm = T.match_buffer(norm_h, (in_features,), "float32")
+        num_pages = T.int32()
+        x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
+        norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
         w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
         wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
         resid = T.match_buffer(resid_h, (n, OUT_COLUMNS), out_dtype)
         y = T.match_buffer(y_h, (n, OUT_COLUMNS), out_dtype)
+        positions = T.match_buffer(positions_h, (n,), "int32")
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        pages = T.match_buffer(pages_h, (num_pages, 2, HKV, PAGE_SIZE, D), dtype)
+        q = T.match_buffer(q_h, (n, H, D), dtype)
+        best = T.match_buffer(best_h, (OUT_COLUMNS // COLUMNS_PER_GROUP, 2), "float32")
         for rb in T.thread_binding(OUT_COLUMNS // COLUMNS_PER_GROUP, thread="blockIdx.x"):
             for tb in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
                 for r in T.thread_binding(ROWS, thread="threadIdx.y"):
@@ -179,14 +220,19 @@ def quantized_matmul(spec: MatmulSpec):
                             T.writes()
                             partial = T.sblock_alloc_buffer((DOTS + TOKENS * LANES if normed else DOTS,),
                                                             "float32", scope="shared")
+                            # argmax_partials: each column's logit, then its index (f32, exact below 2^24)
+                            column_best = T.sblock_alloc_buffer((2 * COLUMNS_PER_GROUP,), "float32", scope="shared")
                             acc = T.sblock_alloc_buffer((ROWS_PER_THREAD * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' words, scales and mins at the current word
                             word = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "uint32", scope="local")
                             ws = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
-                            # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu)
-                            total = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                            xq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the word's x
+                            nq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # its norm weights
+                            # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu) or the
+                            # RoPE partner row's (rope_append), 3 the rotated value
+                            total = T.sblock_alloc_buffer((4,), "float32", scope="local")
                             tok0: T.let[T.int32] = tb * TOKENS
                             for a in T.unroll(ROWS_PER_THREAD * TOKENS):
                                 acc[a] = T.float32(0)
@@ -196,54 +242,98 @@ def quantized_matmul(spec: MatmulSpec):
                                 wi: T.let[T.int32] = trip * LANES + lane
                                 if wi < WORDS:
                                     blk: T.let[T.int32] = wi * PER_WORD // BLOCK
-                                    for q in T.unroll(ROWS_PER_THREAD):
-                                        word[q] = w[weight_row(rb, r, q), wi]
-                                        ws[q] = scale[weight_row(rb, r, q), blk]
-                                        wm[q] = T.if_then_else(weight_format == "q4", wmin[weight_row(rb, r, q), blk],
+                                    for p in T.unroll(ROWS_PER_THREAD):
+                                        word[p] = w[weight_row(rb, r, p), wi]
+                                        ws[p] = scale[weight_row(rb, r, p), blk]
+                                        wm[p] = T.if_then_else(weight_format == "q4", wmin[weight_row(rb, r, p), blk],
                                                                T.float32(0))
-                                    for k in T.unroll(PER_WORD):
-                                        # the norm's weight scales W's column: applied to x once for all rows
-                                        nk: T.let[T.float32] = norm[wi * PER_WORD + k] if normed else T.float32(1)
-                                        for j in T.unroll(TOKENS):
-                                            if tok0 + j < n:
-                                                xv: T.let[T.float32] = T.Cast("float32", x[tok0 + j, wi * PER_WORD + k])
-                                                for q in T.unroll(ROWS_PER_THREAD):
-                                                    acc[q * TOKENS + j] = acc[q * TOKENS + j] + \
-                                                        weight_value(word[q], k, ws[q], wm[q]) * (xv * nk)
+                                    for j in T.unroll(TOKENS):
+                                        if tok0 + j < n:
+                                            # the word's x (and norm weights) as 4-wide loads
+                                            for v in T.unroll(X_VECS):
+                                                xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
+                                                nq[v] = norm[wi * X_VECS + v] if normed else T.Broadcast(T.float32(1), 4)
+                                            for k in T.unroll(PER_WORD):
+                                                # the norm's weight scales W's column: applied to x once for all rows
+                                                xv: T.let[T.float32] = T.Shuffle([xq[k // 4]], [k % 4])
+                                                nk: T.let[T.float32] = T.Shuffle([nq[k // 4]], [k % 4])
+                                                for p in T.unroll(ROWS_PER_THREAD):
+                                                    acc[p * TOKENS + j] = acc[p * TOKENS + j] + \
+                                                        weight_value(word[p], k, ws[p], wm[p]) * (xv * nk)
                                                 if normed:
                                                     if r == 0:  # every row reads the same x: one row sums it
                                                         squares[j] = squares[j] + xv * xv
-                            for q in T.unroll(ROWS_PER_THREAD):
+                            for p in T.unroll(ROWS_PER_THREAD):
                                 for j in T.unroll(TOKENS):
-                                    partial[((q * ROWS + r) * TOKENS + j) * LANES + lane] = acc[q * TOKENS + j]
+                                    partial[((p * ROWS + r) * TOKENS + j) * LANES + lane] = acc[p * TOKENS + j]
                             for j in T.unroll(TOKENS):
                                 if normed:
                                     if r == 0:
                                         partial[DOTS + j * LANES + lane] = squares[j]
                             if lane < TOKENS:
                                 if tok0 + lane < n:
-                                    for q in T.unroll(1 if swiglu else ROWS_PER_THREAD):
+                                    for p in T.unroll(COLUMNS_PER_THREAD):
                                         total[0] = T.float32(0)
                                         total[1] = T.float32(0)
                                         total[2] = T.float32(0)
                                         for l in T.serial(LANES):
-                                            total[0] = total[0] + partial[((q * ROWS + r) * TOKENS + lane) * LANES + l]
+                                            total[0] = total[0] + partial[((dot_row(p) * ROWS + r) * TOKENS + lane) * LANES + l]
                                             if normed:
                                                 total[1] = total[1] + partial[DOTS + lane * LANES + l]
                                             if swiglu:
-                                                total[2] = total[2] + partial[((ROWS + r) * TOKENS + lane) * LANES + l]
+                                                total[2] = total[2] + partial[
+                                                    (((dot_row(p) + 1) * ROWS + r) * TOKENS + lane) * LANES + l]
+                                            if rotates:
+                                                total[2] = total[2] + partial[
+                                                    ((p * ROWS + T.bitwise_xor(r, 1)) * TOKENS + lane) * LANES + l]
                                         if normed:
                                             inv_rms: T.let[T.float32] = T.rsqrt(total[1] / T.float32(in_features) + T.float32(norm_eps or 0))
                                             total[0] = total[0] * inv_rms
                                             total[2] = total[2] * inv_rms
                                         if swiglu:
                                             total[0] = total[0] / (T.float32(1) + T.exp(-total[0])) * total[2]
-                                        column: T.let[T.int32] = rb * COLUMNS_PER_GROUP + q * ROWS + r
+                                        column: T.let[T.int32] = rb * COLUMNS_PER_GROUP + p * ROWS + r
                                         if residual:
                                             total[0] = total[0] + T.Cast("float32", resid[tok0 + lane, column])
-                                        y[tok0 + lane, column] = T.Cast(out_dtype, total[0])
+                                        if rotates:
+                                            rope_epilogue(total, column, positions[tok0], slots[tok0], pages, q)
+                                        else:
+                                            y[tok0 + lane, column] = T.Cast(out_dtype, total[0])
+                                        if spec.argmax_partials:
+                                            column_best[p * ROWS + r] = total[0]
+                                            column_best[COLUMNS_PER_GROUP + p * ROWS + r] = T.Cast("float32", column)
+                            if spec.argmax_partials:
+                                if r == 0:
+                                    if lane == 0:
+                                        # columns in increasing order: '>' keeps the lowest index of a
+                                        # tie; no number above the start (all NaN): index OUT_COLUMNS
+                                        total[0] = T.float32(-3.0e38)
+                                        total[1] = T.float32(OUT_COLUMNS)
+                                        for c in T.serial(COLUMNS_PER_GROUP):
+                                            total[2] = column_best[c]  # (a shared read cannot sit in a condition)
+                                            total[3] = column_best[COLUMNS_PER_GROUP + c]
+                                            if total[2] > total[0]:
+                                                total[0] = total[2]
+                                                total[1] = total[3]
+                                        best[rb, 0] = total[0]
+                                        best[rb, 1] = total[1]
 
     return matmul
+
+
+def rope_inv_freq(pair, head_dim: int, theta: float, scaling: tuple | None):
+    """The rotation frequency of adjacent pair `pair` of a head, f32: theta^(-2 pair / D), with Llama
+    3's scaling (factor, low, high, original context) where given: (1 - s) / factor + s times it,
+    s = clamp((original / wavelength - low) / (high - low), 0, 1)
+    (contract.model.rope_frequency_divisors)."""
+    inv_freq = T.exp2(T.Cast("float32", 2 * pair) * T.float32(-math.log2(theta) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    ratio_per_inv_freq = original / (2 * math.pi)  # original context / wavelength, per unit of frequency
+    smooth = T.min(T.max((inv_freq * T.float32(ratio_per_inv_freq) - T.float32(low)) / T.float32(high - low),
+                         T.float32(0)), T.float32(1))
+    return inv_freq * ((T.float32(1) - smooth) * T.float32(1 / factor) + smooth)
 
 
 def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str,
@@ -262,15 +352,6 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
     ROPE_TRIPS = (PAIRS + THREADS - 1) // THREADS
     V_TRIPS = (V_ELEMS + THREADS - 1) // THREADS
     QKV = (H + 2 * HKV) * D
-    FACTOR, LOW, HIGH, ORIGINAL = rope_scaling or (1.0, 0.0, 1.0, 0)
-    RATIO_PER_INV_FREQ = ORIGINAL / (2 * math.pi)  # original context / wavelength, per unit of frequency
-
-    def scaled(inv_freq):
-        if rope_scaling is None:
-            return inv_freq
-        smooth = T.min(T.max((inv_freq * T.float32(RATIO_PER_INV_FREQ) - T.float32(LOW)) / T.float32(HIGH - LOW),
-                             T.float32(0)), T.float32(1))
-        return inv_freq * ((T.float32(1) - smooth) * T.float32(1 / FACTOR) + smooth)
 
     @T.prim_func(s_tir=True)
     def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle):
@@ -296,7 +377,7 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
                             pair: T.let[T.int32] = p % (D // 2)
                             x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
                             x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
-                            inv_freq: T.let[T.float32] = scaled(T.exp2(T.Cast("float32", 2 * pair) * T.float32(-_log2(rope_theta) / D)))
+                            inv_freq: T.let[T.float32] = rope_inv_freq(pair, D, rope_theta, rope_scaling)
                             angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
                             c: T.let[T.float32] = T.cos(angle)
                             sn: T.let[T.float32] = T.sin(angle)
@@ -312,12 +393,6 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
                             pages[page, 1, e // D, slot, e % D] = qkv[i, (H + HKV) * D + e]
 
     return rope_append
-
-
-def _log2(x: float) -> float:
-    import math
-
-    return math.log2(x)
 
 
 def swiglu(ffn_dim: int, dtype: str):
@@ -401,6 +476,45 @@ def argmax(vocab: int):
                     best_pair_tree(best, val, t, 0)
                     if t == 0:
                         out[0] = T.Cast("int32", best[THREADS])
+
+    return argmax_kernel
+
+
+def argmax_partials(groups: int, vocab: int):
+    """out[0] = the index of the largest logit, from the head's `groups` workgroup bests
+    (quantized_matmul with argmax_partials: best[g] = (value, index), the lowest index of a tie
+    within the group). Groups in column order, so '>' and the tree's tie rule keep numpy's argmax:
+    the lowest index of the largest value. Reading one pair per 8 or 16 logits, not every logit,
+    is what makes this dispatch short. Logits with no number above -3e38 (an f16 overflow's NaNs)
+    give `vocab`, as argmax does."""
+    TRIPS = (groups + THREADS - 1) // THREADS
+    best_pair_tree = _best_pair_tree()
+
+    @T.prim_func(s_tir=True)
+    def argmax_kernel(best_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        best = T.match_buffer(best_h, (groups, 2), "float32")
+        out = T.match_buffer(out_h, (1,), "int32")
+        for g in T.thread_binding(1, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("argmax"):
+                    T.reads()
+                    T.writes()
+                    pairs = T.sblock_alloc_buffer((2 * THREADS,), "float32", scope="shared")
+                    val = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                    val[0] = T.float32(-3.0e38)
+                    val[1] = T.float32(vocab)
+                    for trip in T.serial(TRIPS):
+                        k: T.let[T.int32] = trip * THREADS + t  # increasing, so '>' keeps the first max
+                        if k < groups:
+                            if best[k, 0] > val[0]:
+                                val[0] = best[k, 0]
+                                val[1] = best[k, 1]
+                    pairs[t] = val[0]
+                    pairs[THREADS + t] = val[1]
+                    best_pair_tree(pairs, val, t, 0)
+                    if t == 0:
+                        out[0] = T.Cast("int32", pairs[THREADS])
 
     return argmax_kernel
 

@@ -24,7 +24,9 @@ def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
     matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
         ["qkv", "o_residual", "gate_up", "down_residual"]
     apart = [] if fold_norms else ["rms_norm", "swiglu"]
-    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *apart,
+    fused = ["norm_qkv_rope_append_decode"] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
+    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *fused,
+            *apart,
             "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
 
 
@@ -34,11 +36,14 @@ class PassEncoder:
     prefill pass goes through a plan of its own whose every value is per step (bound once, the
     uniforms rewritten for each pass's n). Without a plan each dispatch is bound for itself.
     `timed(begin, end)` brackets dispatches with the pass's timestamp queries (none on adapters
-    without timestamp-query)."""
+    without timestamp-query). `one_pass`: the whole pass is one compute pass, its first and last
+    timestamps only (`whole_pass`); the spans inside it are not timed."""
 
-    def __init__(self, batch, stamps, plan: DispatchPlan | None, every_value_per_step: bool = False):
+    def __init__(self, batch, stamps, plan: DispatchPlan | None, every_value_per_step: bool = False,
+                 one_pass: bool = False):
         self.batch, self.stamps, self.plan = batch, stamps, plan
         self.every_value_per_step = every_value_per_step  # a prefill pass: n changes every kernel's values
+        self.one_pass = one_pass
         if plan is not None:
             plan.start()
 
@@ -52,10 +57,19 @@ class PassEncoder:
 
     @contextmanager
     def timed(self, begin: int | None, end: int | None):
-        if self.stamps is None:
+        if self.stamps is None or self.one_pass:
             yield
             return
         with self.batch.timed((self.stamps, begin, end)):
+            yield
+
+    @contextmanager
+    def whole_pass(self, stamps: PassStamps):
+        """With `one_pass`, the pass's dispatches in one compute pass timed at its start and end."""
+        if self.stamps is None or not self.one_pass:
+            yield
+            return
+        with self.batch.timed((self.stamps, stamps.pass_begin, stamps.pass_end)):
             yield
 
 
@@ -78,6 +92,10 @@ class ProfilingEncoder:
 
     @contextmanager
     def timed(self, begin: int | None, end: int | None):
+        yield
+
+    @contextmanager
+    def whole_pass(self, stamps: PassStamps):
         yield
 
 
@@ -110,15 +128,18 @@ def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: 
 
 
 # -- the forward pass -------------------------------------------------------------------------------------
-def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None) -> None:
-    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors)."""
+def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None, rope_io=None,
+            values=None) -> None:
+    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
+    `rope_io`: the RoPE + append epilogue's buffers, written instead of y."""
     w = m.weights
-    buffers = {"x": x, "w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"], "y": y}
+    buffers = {"x": x, "w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]}
+    buffers.update(rope_io or {"y": y})
     if norm is not None:
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid
-    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n})
+    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n, **(values or {})})
 
 
 def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> None:
@@ -143,7 +164,13 @@ def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str) -> None:
 
 def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pages: int, sampling,
                    draw: float) -> None:
-    """The whole forward pass of n tokens of model `m` (model_glue.model.LlamaModel) as kernel dispatches."""
+    """The whole forward pass of n tokens of model `m` (model_glue.model.LlamaModel) as kernel
+    dispatches (in one compute pass where the encoder asks for it)."""
+    with enc.whole_pass(PassStamps(m.config.n_layers)):
+        _forward(m, enc, n, choice, nnz_pages, sampling, draw)
+
+
+def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> None:
     c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
     attention = m.attention_kernels(choice)
     stamps = PassStamps(c.n_layers)
@@ -155,10 +182,13 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
-        _normed_matmul(m, enc, "qkv", n, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
-        enc.run(k["rope_append"], {"qkv": buf["qkv"], "positions": buf["positions"], "slots": buf["slots"],
-                                   "pages": m.kv.layers[layer], "q": buf["q"]},
-                {"n": n, "num_pages": m.kv.num_pages})
+        rope_io = {"positions": buf["positions"], "slots": buf["slots"], "pages": m.kv.layers[layer], "q": buf["q"]}
+        if n == 1 and m.run.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
+            _matmul(m, enc, "norm_qkv_rope_append", n, f"{p}.qkv", x, None, norm=f"{p}.attn_norm", rope_io=rope_io,
+                    values={"num_pages": m.kv.num_pages})
+        else:
+            _normed_matmul(m, enc, "qkv", n, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
+            enc.run(k["rope_append"], {"qkv": buf["qkv"], **rope_io}, {"n": n, "num_pages": m.kv.num_pages})
         attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
@@ -173,7 +203,8 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
         enc.batch.copy(x, (n - 1) * c.dim * m.esize, buf["last"], 0, c.dim * m.esize)
         last = buf["last"]
     head_matrix = head_tensor(c)  # the tied embedding or the head's own matrix, q8
-    head = {"w": w[f"{head_matrix}.q8"], "scale": w[f"{head_matrix}.scale"], "y": buf["logits"]}
+    head = {"w": w[f"{head_matrix}.q8"], "scale": w[f"{head_matrix}.scale"], "y": buf["logits"],
+            "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
         if m.run.fold_norms:
             enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, {"n": 1})
@@ -181,7 +212,7 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
             enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]}, {"n": 1})
             enc.run(k["lm_head"], {"x": buf["normed"], **head}, {"n": 1})
         if sampling is None or sampling.greedy:
-            enc.run(k["argmax"], {"logits": buf["logits"], "out": buf["next_id"]}, {})
+            enc.run(k["argmax"], {"best": buf["head_best"], "out": buf["next_id"]}, {})
         else:  # the draw changes every step
             enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]}, sampling.kernel_values(draw),
                     per_step=True)

@@ -7,12 +7,14 @@ the passes bound to them (model_glue.kernel.DispatchPlan) live on; a growth drop
 from __future__ import annotations
 
 from contract.attention import MAX_SPLITS
+from contract.kernels import head_spec
 from contract.model import LlamaConfig
 from model_glue.attention import split_workspace_bytes
 from model_glue.kv_cache import PagedKVCache
 
-# Buffers of one token whatever the pass: the last token's hidden state, its logits, the chosen id.
-ONE_TOKEN_BUFFERS = ("last", "logits", "next_id")
+# Buffers of one token whatever the pass: the last token's hidden state, its logits, the head's
+# best (value, index) per workgroup (the argmax reads them), the chosen id.
+ONE_TOKEN_BUFFERS = ("last", "logits", "head_best", "next_id")
 
 
 def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, int]:
@@ -34,7 +36,7 @@ def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, in
 
 
 def one_token_sizes(c: LlamaConfig, e: int) -> dict[str, int]:
-    return dict(zip(ONE_TOKEN_BUFFERS, (e * c.dim, 4 * c.vocab_size, 4)))
+    return dict(zip(ONE_TOKEN_BUFFERS, (e * c.dim, 4 * c.vocab_size, 4 * 2 * head_spec(c, "float32").workgroups, 4)))
 
 
 class ScratchBuffers(dict):

@@ -118,16 +118,16 @@ def random_q4(rng, rows, cols):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile (the tiled
-    prefill matmul), and the decode matmul on rows of 1,024-4,096 weights, with one weight row a thread
-    and two (the grid says which: two rows a thread halve the workgroups)."""
+    prefill matmul), and the decode matmul on rows of 96-4,096 weights, with one, two and four weight
+    rows a thread (the grid says which: each doubling halves the workgroups)."""
     skip_without_f16(gpu, dtype)
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype)))
     if decode:
-        rows_per_thread = 2 if flags.startswith("paired") else 1
+        rows_per_thread = {"paired": 2, "quad": 4}.get(flags.split("_")[0], 1)
         columns = out_features // 2 if swiglu else out_features
-        assert kernel.spec.grid[0] == columns // (8 if swiglu else 8 * rows_per_thread), kernel.spec.grid
+        assert kernel.spec.grid[0] == columns // (8 * rows_per_thread // (2 if swiglu else 1)), kernel.spec.grid
     rng = np.random.default_rng(len(flags))
     words, scale, minv = random_q4(rng, out_features, in_features)
     w = dequant_q4(words, scale, minv).astype(np.float64)
