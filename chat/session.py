@@ -173,14 +173,17 @@ class ChatSession:
         Teacher-forced agreement feeds the sharded nest the tiled run's tokens and counts how often
         its top-1 equals the tiled token; while the texts are identical the sharded run already was
         fed those tokens, so the extra run happens only after a divergence. The conversation so far
-        is the context; the compared replies are not added to it.
+        is the context; the compared replies are not added to it. Unlike a chat turn (one decode
+        step in RunOptions.time_attention_every), every decode step times its attention: the
+        comparison's curves are its point, and its tokens/s carry the per-layer passes' cost.
         """
         ids = self.prompt_ids(self._checked_prompt(user_text))
         runs = {}
         for nest in NESTS:
             if on_progress is not None:
                 on_progress(nest)
-            runs[nest] = await self._run(ids, max_new_tokens, replace(options or RunOptions(), attention=nest), None)
+            runs[nest] = await self._run(ids, max_new_tokens, replace(options or RunOptions(), attention=nest,
+                                                                      time_attention_every=1), None)
         a, b = runs["tiled"]["token_ids"], runs["sharded"]["token_ids"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):

@@ -154,20 +154,24 @@ class _Loader:
 
 
 async def warm_up(model: LlamaModel) -> None:
-    """Run a prompt of dummy ids and two decode steps, then forget them: the prefill and decode
+    """Run a prompt of dummy ids and a few decode steps, then forget them: the prefill and decode
     passes are bound and the decode passes recorded before the first real prompt (binding a
     prefill pass cost ~35 ms of the first reply's TTFT in Chromium on an H200). The scratch
     buffers are sized for a whole prefill chunk first, so no later prompt reallocates them (which
-    drops every bound pass). The prompt is one token short of the switch: the first decode step
-    runs the tiled nest, as the first replies do, the second the sharded family, as long ones do."""
+    drops every bound pass). The prompt ends 3 tokens short of the switch, and the steps go on to
+    the first context past it that times attention (RunOptions.time_attention_every): so both nests
+    run as a step that times attention per layer and as a step that is one pass, as replies do."""
     from model_glue.generate import generate
 
-    tokens = min(TILED_MAX_CONTEXT - 1, model.kv.capacity - 3)  # leaves room for the decode steps
+    every = max(model.run.time_attention_every, 1)
+    tokens = min(TILED_MAX_CONTEXT - 3, model.kv.capacity - every - 4)  # leaves room for the decode steps
     if tokens < 1:
         return
     model.ensure_scratch(model.run.prefill_chunk)
     try:
-        await generate(model, [1] * tokens, max_new_tokens=3)
+        # decode contexts tokens + 1 .. TILED_MAX_CONTEXT + every: tiled timed (the first), tiled in one
+        # pass, tiled timed (256), sharded in one pass, sharded timed (256 + every)
+        await generate(model, [1] * tokens, max_new_tokens=every + 4)
     finally:
         model.reset()
 

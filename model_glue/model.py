@@ -38,10 +38,11 @@ class PlanKey(NamedTuple):
     layout: str | None
     split: bool
     greedy: bool
+    one_pass: bool = False  # one compute pass, attention untimed (RunOptions.time_attention_every)
 
     @classmethod
-    def of(cls, choice: AttentionChoice, greedy: bool) -> "PlanKey":
-        return cls(choice.nest, choice.layout, choice.split, greedy)
+    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False) -> "PlanKey":
+        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass)
 
 
 class LlamaModel:
@@ -77,6 +78,8 @@ class LlamaModel:
         self._plans: dict[PlanKey, DispatchPlan] = {}
         self._recorded: dict[PlanKey, object] = {}
         self._inputs_written: dict[str, tuple] = {}  # name -> (buffer, bytes) last written (`_write_changed`)
+        self._last_pass_tokens = 0  # tokens of the last submitted pass (1: a decode step)
+        self._all_stamps_written = False  # a pass has written every timestamp query (`_times_attention`)
         self.stats: list[StepStats] = []
 
     @property
@@ -183,7 +186,8 @@ class LlamaModel:
         nnz_pages = self._write_inputs(token_ids, start, slots, context)
 
         batch = self.device.batch()
-        key = PlanKey.of(choice, greedy)
+        one_pass = not self._times_attention(n, context)
+        key = PlanKey.of(choice, greedy, one_pass)
         recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
             self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))
@@ -194,13 +198,25 @@ class LlamaModel:
             plan = self._plans.setdefault(key, DispatchPlan())
             record = n == 1 and self.run.replay
             batch.tape = [] if record else None
-            encode_forward(self, PassEncoder(batch, self.pipeline.stamps, plan, every_value_per_step=n > 1), n, choice,
-                           nnz_pages, sampling, draw)
+            encode_forward(self, PassEncoder(batch, self.pipeline.stamps, plan, every_value_per_step=n > 1,
+                                             one_pass=one_pass), n, choice, nnz_pages, sampling, draw)
             if record:
                 self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
         stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, str(choice), None, 0.0)
+        self._last_pass_tokens = n
+        self._all_stamps_written |= not one_pass
         return self.pipeline.submit(batch, self.buffers["next_id"], stats, start=start,
-                                    input_on_gpu=token_ids is None, started=started)
+                                    input_on_gpu=token_ids is None, started=started, attention_timed=not one_pass)
+
+    def _times_attention(self, n: int, context: int) -> bool:
+        """Whether this pass times each layer's attention (else it is one compute pass): every prefill,
+        and decode steps as RunOptions.time_attention_every says: the context a multiple of N, or the
+        first step after a prompt. Every query is resolved after each pass, and one never written can
+        hang the resolve on some drivers: so until a pass has written all of them, every pass does."""
+        every = self.run.time_attention_every
+        if n > 1 or every == 1 or not self._all_stamps_written:
+            return True
+        return every > 0 and (context % every == 0 or self._last_pass_tokens != 1)
 
     def _write_inputs(self, token_ids, start: int, slots: list[int], context: int) -> int:
         """The pass's ids (a one-token pass reads its id where the last pass's argmax wrote), positions,

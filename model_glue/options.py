@@ -27,6 +27,10 @@ CPU_PREFILL_CHUNK = 256
 # every step. In Chromium on the H200 at ~1,550 tokens (docs/benchmarks.md) 3 gave 402-575 tok/s
 # and 4 539-628 over three page loads; a stop discards the steps already in flight.
 DEFAULT_PIPELINE_DEPTH = 4
+# Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
+# Measured on the H200 (docs/benchmarks.md): a step in one pass against 61 timed passes, SmolLM2 GPU
+# 1.21 vs 1.68 ms; one in 8 keeps the cost near 28% / 8 = 3.5% of a step.
+ATTENTION_TIMING_EVERY = 8
 MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 
@@ -51,6 +55,11 @@ class RunOptions:
     # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds
     # its passes bound (model_glue.loading.warm_up). None: on GPUs, not on CPU rasterizers (seconds there). Load time only.
     warm_up: bool | None = None
+    # Time each layer's attention (in a timed compute pass of its own) in every Nth decode step: where
+    # the context is a multiple of N, and the first step after a prompt. The other steps are one compute
+    # pass, timed as a whole (attention_ms None): on an H200 the 61 passes of a timed SmolLM2 step cost
+    # 28% of its GPU time. 1: every step; 0: none. None: ATTENTION_TIMING_EVERY.
+    time_attention_every: int | None = None
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -67,6 +76,10 @@ class RunOptions:
             raise ModelError(f"attention must be one of {', '.join(NEST_CHOICES)}, not {self.attention!r}")
         if self.layout is not None and not isinstance(self.layout, LayoutChoice):
             raise ModelError(f"layout must be a sharded layout such as 'shards:8', not {self.layout!r}")
+        if self.time_attention_every is not None and (not isinstance(self.time_attention_every, int)
+                                                      or self.time_attention_every < 0):
+            raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
+                             f"not {self.time_attention_every!r}")
         if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False) \
                 or self.warm_up not in (None, True, False):
             raise ModelError("replay, fold_norms and warm_up are true or false")
@@ -83,7 +96,9 @@ class RunOptions:
                        fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
                        prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK),
                        pipeline_depth=self.pipeline_depth or DEFAULT_PIPELINE_DEPTH,
-                       warm_up=not is_cpu if self.warm_up is None else self.warm_up)
+                       warm_up=not is_cpu if self.warm_up is None else self.warm_up,
+                       time_attention_every=ATTENTION_TIMING_EVERY if self.time_attention_every is None
+                       else self.time_attention_every)
 
     def merged(self, request: "RunOptions | None") -> "RunOptions":
         """A request's options over these (resolved) ones: the request's None fields keep ours."""
@@ -94,7 +109,7 @@ class RunOptions:
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
-                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth") if getattr(request, f) is not None})
+                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every") if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":

@@ -26,6 +26,7 @@ class PendingPass:
     input_on_gpu: bool  # its one token is the id the previous pass chose, not yet known to the host
     stats: StepStats  # filled in when it finishes (timings)
     started: float  # perf_counter() when its encoding began
+    attention_timed: bool = True  # each layer's attention had timestamps (RunOptions.time_attention_every)
 
 
 class PassPipeline:
@@ -45,7 +46,7 @@ class PassPipeline:
             raise ValueError(f"at most {depth} passes can be in flight: finish one first")
 
     def submit(self, batch, next_id, stats: StepStats, *, start: int, input_on_gpu: bool,
-               started: float) -> PendingPass:
+               started: float, attention_timed: bool = True) -> PendingPass:
         """Copy the pass's id and timestamps to its readback buffer, submit it and ask for the readback."""
         staging = self._staging[self._submitted % MAX_PIPELINE_DEPTH]
         self._submitted += 1
@@ -57,7 +58,7 @@ class PassPipeline:
         self.device.start_read(staging, self.readback_bytes)  # mapped once the pass is done
         stats.encode_ms = round((time.perf_counter() - started) * 1e3, 3)
         stats.dispatches = batch.dispatches
-        step = PendingPass(staging, stats.tokens, start, input_on_gpu, stats, started)
+        step = PendingPass(staging, stats.tokens, start, input_on_gpu, stats, started, attention_timed)
         self.in_flight.append(step)
         return step
 
@@ -77,7 +78,7 @@ class PassPipeline:
         next_id, ticks = await self.read_back(step)
         now = time.perf_counter()
         stats = step.stats
-        stats.add_gpu_times(ticks, n_layers)
+        stats.add_gpu_times(ticks, n_layers, step.attention_timed)
         stats.wait_ms = round((now - waited) * 1e3, 3)
         # Pipelined steps overlap: a step's time runs from when the previous id arrived (or from its
         # own start, if that is later) to when its own id arrives.

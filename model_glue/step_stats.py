@@ -55,13 +55,17 @@ class StepStats:
     # GPU is the bound; near 0 with step_ms above gpu_ms: the host is, and the GPU waits for it.
     wait_ms: float = 0.0
 
-    def add_gpu_times(self, ticks: list[int] | None, n_layers: int) -> None:
-        """Fill attention_ms and gpu_ms from the pass's raw timestamps (ns), or say why there are none."""
+    def add_gpu_times(self, ticks: list[int] | None, n_layers: int, attention_timed: bool = True) -> None:
+        """Fill attention_ms and gpu_ms from the pass's raw timestamps (ns), or say why there are none.
+        A pass that did not time attention (RunOptions.time_attention_every) has only the whole pass's."""
         if ticks is None:
             self.timing_note = "no timestamp-query on this adapter"
             return
         at = PassStamps(n_layers)
         self.gpu_ms = (ticks[at.pass_end] - ticks[at.pass_begin]) / 1e6
+        if not attention_timed:
+            self.timing_note = "attention timed in sampled steps only (time_attention_every)"
+            return
         spans = [ticks[end] - ticks[begin] for begin, end in map(at.attention, range(n_layers))]
         self.attention_ms = sum(spans) / 1e6
         # Some browsers quantize timestamps (100 us) unless developer features are on.

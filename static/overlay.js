@@ -55,7 +55,11 @@ function drawNextFrame() {
 function drawLastStep() {
   const stats = state.steps[state.steps.length - 1];
   if (!stats) return;
-  const attn = stats.attention_ms === null ? "n/a" : `${stats.attention_ms.toFixed(3)} ms`;
+  // Decode steps time attention in one step in 8 (RunOptions.time_attention_every): between those,
+  // the overlay shows the last timed step's figure, labelled with its context.
+  const timed = stats.attention_ms !== null ? stats : lastTimedStep(stats.kind);
+  const attn = timed === null ? "n/a" : timed === stats ? `${stats.attention_ms.toFixed(3)} ms`
+    : `${timed.attention_ms.toFixed(3)} ms (sampled at ctx ${timed.context})`;
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
   $("overlay-last").textContent =
     `${stats.kind} · ctx ${stats.context} · ${stats.kernel} · attn ${attn} · GPU ${gpu} · ` +
@@ -64,6 +68,14 @@ function drawLastStep() {
   $("overlay-note").textContent = stats.timing_note || "";
   drawOverlayChart();
   $("overlay").hidden = false;
+}
+
+function lastTimedStep(kind) {
+  for (let i = state.steps.length - 1; i >= 0; i--) {
+    const s = state.steps[i];
+    if (s.kind === kind && s.attention_ms !== null) return s;
+  }
+  return null;
 }
 
 // The reply ended: draw its last step now (a frame may still be pending, or never come in a

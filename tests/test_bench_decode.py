@@ -32,11 +32,16 @@ def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_li
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
     assert 64 + 3 + 1 < decode_bench.WARMUP_PROMPT + decode_bench.WARMUP_NEW_TOKENS
     args = argparse.Namespace(contexts=[64], steps=3, dtype="float32", synthetic=False, sample=False, json=None,
-                              model=tiny_folder, kernels=test_artifact_dir)
+                              model=tiny_folder, kernels=test_artifact_dir,
+                              modes=["auto", "auto:shards", "tiled", "auto:one-pass"])
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
     rows = result["rows"]
-    assert len(rows) == 3 and all(row["context"] == 64 for row in rows)  # auto, auto held to shards, tiled
+    assert [row["attention"] for row in rows] == ["auto", "auto:shards", "tiled", "auto:one-pass"]
+    assert all(row["context"] == 64 for row in rows)
     assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in rows)
+    one_pass, timed = rows[3], rows[0]
+    if gpu.has_timestamps:  # one pass: the step's GPU time, no attention time
+        assert one_pass["gpu_ms"] > 0 and one_pass["attention_ms"] is None and timed["attention_ms"] > 0
 
 
 def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_library, test_artifact_dir, tiny_folder,
@@ -61,6 +66,7 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     monkeypatch.setattr(decode_bench, "WARMUP_PROMPT", 40)
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
     args = argparse.Namespace(contexts=[24], steps=2, dtype="float32", synthetic=False, sample=False, json=None,
+                              modes=["auto", "auto:shards", "tiled"],
                               model=tiny_folder, kernels=test_artifact_dir, profile=True, profile_repeats=1)
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
     (row,) = result["profile"]["contexts"]

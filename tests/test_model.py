@@ -225,15 +225,18 @@ def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_lib
 
 def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_dir):
     """S is a per-step value: decode steps at S=2 and S=4 share one bound plan and one recording
-    (a plan per S would re-bind every pass each time the host's rule doubles S)."""
+    (a plan per S would re-bind every pass each time the host's rule doubles S): one for the steps
+    that time attention, one for those that run as one pass."""
     model = load(loop, gpu, test_library, tiny_dir, "float32")
     for layout in ("shards:2", "shards:4"):
         run = loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=4,
                                                options=RunOptions(attention="sharded", layout=layout)))
         assert {s.kernel for s in run.stats if s.kind == "decode"} == {f"shards S={layout[-1]}"}
-    key = PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True)
-    assert key == PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True)
-    assert [k for k in model._plans if k.nest == "sharded"] == [key] and key in model._recorded
+    keys = [PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True, one_pass=one_pass)
+            for one_pass in (False, True)]
+    assert keys == [PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True, one_pass=one_pass)
+                    for one_pass in (False, True)]
+    assert sorted(k for k in model._plans if k.nest == "sharded") == keys and all(k in model._recorded for k in keys)
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):

@@ -39,10 +39,15 @@ async def run_decode_bench(args) -> dict:
     rng = random.Random(0)
     # auto; auto with the sharded family held to the seed's layout over the whole context; tiled forced;
     # with --sample also auto drawing each token on the GPU (top-k 40, top-p 0.95) instead of the argmax.
-    modes = [("auto", None), ("auto", "shards"), ("tiled", None)] + ([("auto", "sample")] if args.sample else [])
+    # auto times attention in one step in ATTENTION_TIMING_EVERY; auto:every-step in each (61 passes for
+    # SmolLM2), auto:one-pass in none: what the per-layer timed passes cost.
+    modes = [tuple(mode.split(":")) if ":" in mode else (mode, None) for mode in args.modes]
+    modes += [("auto", "sample")] if args.sample else []
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
 
     def mode_options(attention, override):
+        if override in ("one-pass", "every-step"):
+            return RunOptions(attention=attention, time_attention_every=0 if override == "one-pass" else 1)
         return RunOptions(attention=attention, layout=None if override == "sample" else override)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers, and a GPU's clocks
     # ramp up only under sustained work (the H200 idles at 345 MHz): at least WARMUP_SECONDS of runs.
