@@ -37,7 +37,7 @@ BUILDERS = {
     "tiled": decode_attention_tiled, "merge": decode_attention_merge, "prefill_attention": prefill_attention,
     "quantized_matmul_tiled": quantized_matmul_tiled,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
-    "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu, "argmax": llama.argmax,
+    "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu,
     "argmax_partials": llama.argmax_partials,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,

@@ -444,49 +444,13 @@ def _best_pair_tree():
     return best_pair_tree
 
 
-def argmax(vocab: int):
-    """out[0] = index of the largest logit (the lowest index on ties, like numpy)."""
-    TRIPS = (vocab + THREADS - 1) // THREADS
-    best_pair_tree = _best_pair_tree()
-
-    @T.prim_func(s_tir=True)
-    def argmax_kernel(logits_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.is_scheduled": True})
-        logits = T.match_buffer(logits_h, (1, vocab), "float32")
-        out = T.match_buffer(out_h, (1,), "int32")
-        for g in T.thread_binding(1, thread="blockIdx.x"):
-            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("argmax"):
-                    T.reads()
-                    T.writes()
-                    # (value, index) pairs; indices kept as f32 (exact below 2^24) so one shared
-                    # array holds both (TVM's storage planner rejected mixed-type shared arrays here).
-                    best = T.sblock_alloc_buffer((2 * THREADS,), "float32", scope="shared")
-                    val = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                    val[0] = T.float32(-3.0e38)
-                    val[1] = T.float32(vocab)
-                    for trip in T.serial(TRIPS):
-                        k: T.let[T.int32] = trip * THREADS + t  # increasing, so '>' keeps the first max
-                        if k < vocab:
-                            if logits[0, k] > val[0]:
-                                val[0] = logits[0, k]
-                                val[1] = T.Cast("float32", k)
-                    best[t] = val[0]
-                    best[THREADS + t] = val[1]
-                    best_pair_tree(best, val, t, 0)
-                    if t == 0:
-                        out[0] = T.Cast("int32", best[THREADS])
-
-    return argmax_kernel
-
-
 def argmax_partials(groups: int, vocab: int):
     """out[0] = the index of the largest logit, from the head's `groups` workgroup bests
     (quantized_matmul with argmax_partials: best[g] = (value, index), the lowest index of a tie
     within the group). Groups in column order, so '>' and the tree's tie rule keep numpy's argmax:
-    the lowest index of the largest value. Reading one pair per 8 or 16 logits, not every logit,
-    is what makes this dispatch short. Logits with no number above -3e38 (an f16 overflow's NaNs)
-    give `vocab`, as argmax does."""
+    the lowest index of the largest value. Reading the pairs, not every logit,
+    is what makes this dispatch short (one pair per 8-32 logits). Logits with no number above -3e38 (an f16 overflow's NaNs)
+    give `vocab`, past every real id (the text shows it as "<id N>")."""
     TRIPS = (groups + THREADS - 1) // THREADS
     best_pair_tree = _best_pair_tree()
 
@@ -500,6 +464,8 @@ def argmax_partials(groups: int, vocab: int):
                 with T.sblock("argmax"):
                     T.reads()
                     T.writes()
+                    # (value, index) pairs; indices kept as f32 (exact below 2^24) so one shared
+                    # array holds both (TVM's storage planner rejected mixed-type shared arrays here).
                     pairs = T.sblock_alloc_buffer((2 * THREADS,), "float32", scope="shared")
                     val = T.sblock_alloc_buffer((4,), "float32", scope="local")
                     val[0] = T.float32(-3.0e38)
