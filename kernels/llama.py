@@ -448,9 +448,9 @@ def argmax_partials(groups: int, vocab: int):
     """out[0] = the index of the largest logit, from the head's `groups` workgroup bests
     (quantized_matmul with argmax_partials: best[g] = (value, index), the lowest index of a tie
     within the group). Groups in column order, so '>' and the tree's tie rule keep numpy's argmax:
-    the lowest index of the largest value. Reading the pairs, not every logit,
-    is what makes this dispatch short (one pair per 8-32 logits). Logits with no number above -3e38 (an f16 overflow's NaNs)
-    give `vocab`, past every real id (the text shows it as "<id N>")."""
+    the lowest index of the largest value. Reading the pairs (one per 8-32 logits), not every
+    logit, is what makes this dispatch short. Logits with no number above -3e38 (an f16
+    overflow's NaNs) give `vocab`, past every real id (the text shows it as "<id N>")."""
     TRIPS = (groups + THREADS - 1) // THREADS
     best_pair_tree = _best_pair_tree()
 
