@@ -28,8 +28,9 @@ CPU_PREFILL_CHUNK = 256
 # and 4 539-628 over three page loads; a stop discards the steps already in flight.
 DEFAULT_PIPELINE_DEPTH = 4
 # Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
-# Measured on the H200 (docs/benchmarks.md): a step in one pass against 61 timed passes, SmolLM2 GPU
-# 1.21 vs 1.68 ms; one in 8 keeps the cost near 28% / 8 = 3.5% of a step.
+# Measured on the H200 (docs/benchmarks.md, natively): SmolLM2 at 1,536 tokens 1.166 ms a step in one
+# pass, 1.643 with every layer's attention timed (61 passes), 1.234 with one step in 8 timed: 5.8% over
+# one pass (the 1B shape 3.5%, the 8B 1.8%).
 ATTENTION_TIMING_EVERY = 8
 MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
@@ -58,7 +59,7 @@ class RunOptions:
     # Time each layer's attention (in a timed compute pass of its own) in every Nth decode step: where
     # the context is a multiple of N, and the first step after a prompt. The other steps are one compute
     # pass, timed as a whole (attention_ms None): on an H200 the 61 passes of a timed SmolLM2 step cost
-    # 28% of its GPU time. 1: every step; 0: none. None: ATTENTION_TIMING_EVERY.
+    # 29% of its GPU time. 1: every step; 0: none. None: ATTENTION_TIMING_EVERY.
     time_attention_every: int | None = None
 
     def __post_init__(self):
