@@ -98,8 +98,10 @@ def main(argv=None) -> int:
                      help="a synthetic model of this shape instead, its random weights filled on the GPU")
     dec.add_argument("--modes", type=lambda text: text.split(","), default=["auto", "auto:shards", "tiled"],
                      help="what runs per context: auto, auto:shards (the seed's layout, S = 1), tiled, "
-                          "auto:every-step (attention timed in every step, not one in 8), "
-                          "auto:one-pass (no step times attention: each is one compute pass)")
+                          "auto:every-step (attention timed in every step, not one in 16), "
+                          "auto:one-pass (no step times attention: each is one compute pass), auto:every-N "
+                          "(one step in N timed), auto:merge-apart / auto:merge-in-o (a split call's merge as "
+                          "its own dispatch / always in the o-projection); parts join with '+'")
     dec.add_argument("--sample", action="store_true",
                      help="also time auto with GPU sampling (top-k 40, top-p 0.95) instead of the argmax")
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)

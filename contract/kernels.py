@@ -90,6 +90,10 @@ def attention_kernel_name(kernel: str, shape: AttentionShape, dtype: str, slidin
 QUAD_MIN_WORKGROUPS = 512
 PAIRED_MIN_WORKGROUPS = 384
 MATMUL_ROWS = 8  # weight rows (threadIdx.y) of a decode matmul's workgroup: 8 x 32 lanes
+# A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
+# o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
+# is cheaper. Fitted to the H200 (docs/benchmarks.md).
+O_MERGE_MAX_READ = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,10 @@ class MatmulSpec:
     # The head: each workgroup also writes its columns' largest (value, index) to `best`, so the
     # argmax reads out_features / columns_per_group pairs rather than every logit.
     argmax_partials: bool = False
+    # The decode o-projection after a split attention call: x is not read but merged, element by
+    # element, from the call's partial states (SPLIT_WORKSPACE, heads of this size; value num_splits),
+    # with the merge kernel's arithmetic and its rounding to dtype. It replaces the merge dispatch.
+    split_head_dim: int | None = None
 
     @property
     def builder(self) -> str:
@@ -134,7 +142,8 @@ class MatmulSpec:
     @property
     def buffers(self) -> tuple[str, ...]:
         outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
-        return ("x",) + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
+        inputs = SPLIT_WORKSPACE if self.split_head_dim else ("x",)
+        return inputs + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
             + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials
 
     @property
@@ -216,6 +225,8 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
     roles["norm_qkv_rope_append_decode"] = MatmulSpec(
         *weights["qkv"], dtype, norm_eps=c.rms_eps,
         rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
+    # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
+    roles["o_residual_merge_decode"] = o_merge_spec(c, dtype)
     for phase in ("decode", "prefill"):
         for matmul, weight in LAYER_MATMULS.items():
             roles[f"{matmul}_{phase}"] = MatmulSpec(
@@ -223,6 +234,19 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
                 tiled=phase == "prefill")
     return roles
+
+
+def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
+    """Whether a decode step whose attention is split `num_splits` ways merges the partial states in
+    the o-projection (o_residual_merge_decode) rather than in a merge dispatch: every o workgroup
+    reads all of them (heads x S x head_dim f32), so only while that stays small beside a dispatch."""
+    read = o_merge_spec(c, dtype).workgroups * c.n_heads * num_splits * c.head_dim * 4
+    return num_splits > 1 and read <= O_MERGE_MAX_READ
+
+
+def o_merge_spec(c: LlamaConfig, dtype: str) -> MatmulSpec:
+    """The decode o-projection (+ residual) that merges a split attention call's partial states."""
+    return MatmulSpec(c.dim, c.n_heads * c.head_dim, dtype, residual=True, split_head_dim=c.head_dim)
 
 
 def head_spec(c: LlamaConfig, dtype: str, folded: bool = True) -> MatmulSpec:

@@ -16,6 +16,7 @@ import math
 from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
+from kernels.paged_kv import MASKED_SCORE
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -122,6 +123,11 @@ def quantized_matmul(spec: MatmulSpec):
     workgroup's 8-column groups) and writes q to `q` and k, v into the token's page slot, in f32 from
     the totals (rope_and_append, the separate dispatch, reads them rounded to `dtype`).
 
+    With `split_head_dim` (the o-projection after a split attention call), x is merged from the
+    call's partial states as each word's x is loaded: a thread folds the S splits of its 4-wide
+    chunks with kernels.decode_attention_merge's arithmetic (an online softmax over splits, then a
+    division and the rounding to `dtype`), so x is what the merge dispatch would have written.
+
     With `argmax_partials` (the head), each workgroup also writes the largest of its columns and
     its index (the lowest on ties) to best[workgroup], for argmax_partials.
 
@@ -151,6 +157,11 @@ def quantized_matmul(spec: MatmulSpec):
     H, HKV, D = (rope.n_heads, rope.n_kv_heads, rope.head_dim) if rope else (1, 1, 2)
     Q_COLUMNS, QK_COLUMNS = H * D, (H + HKV) * D
     assert not rope or (OUT_COLUMNS == (H + 2 * HKV) * D and TOKENS == 1 and not swiglu and not residual)
+    # split_head_dim: x[h * MD + i] from partial_o [n, MH, S, MD / 4] (f32x4) and partial_stats [n, MH, S, 2]
+    merges = spec.split_head_dim is not None
+    MD = spec.split_head_dim or 4
+    MH, M_CHUNKS = in_features // MD, MD // 4
+    assert not merges or (in_features % MD == 0 and MD % PER_WORD == 0)
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
 
@@ -192,14 +203,36 @@ def quantized_matmul(spec: MatmulSpec):
         else:
             pages[page, 1, (column - QK_COLUMNS) // D, slot, i] = T.Cast(dtype, total[0])
 
+    @T.macro
+    def merged_x(xq, v, token, chunk, stat, partial_o, partial_stats, num_splits):
+        # xq[v] = 4-wide chunk `chunk` of the merged attention output (as the merge dispatch writes it)
+        h: T.let[T.int32] = chunk // M_CHUNKS
+        ci: T.let[T.int32] = chunk % M_CHUNKS
+        stat[0] = T.float32(MASKED_SCORE)
+        stat[1] = T.float32(0)
+        xq[v] = T.Broadcast(T.float32(0), 4)
+        for s in T.serial(num_splits):
+            m_s: T.let[T.float32] = partial_stats[token, h, s, 0]
+            m_new: T.let[T.float32] = T.max(stat[0], m_s)
+            rescale: T.let[T.float32] = T.exp2(stat[0] - m_new)
+            w_s: T.let[T.float32] = T.exp2(m_s - m_new)
+            stat[1] = stat[1] * rescale + partial_stats[token, h, s, 1] * w_s
+            xq[v] = xq[v] * T.Broadcast(rescale, 4) + partial_o[token, h, s, ci] * T.Broadcast(w_s, 4)
+            stat[0] = m_new
+        denom: T.let[T.float32] = T.if_then_else(stat[1] > T.float32(0), stat[1], T.float32(1))
+        xq[v] = T.Cast("float32x4", T.Cast(f"{dtype}x4", xq[v] / T.Broadcast(denom, 4)))
+
     @T.prim_func(s_tir=True)
-    def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
+    def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
                resid_h: T.handle, y_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle,
                q_h: T.handle, best_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         num_pages = T.int32()
+        num_splits = T.int32()
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
+        partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
+        partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
         w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
@@ -233,6 +266,7 @@ def quantized_matmul(spec: MatmulSpec):
                             # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu) or the
                             # RoPE partner row's (rope_append), 3 the rotated value
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            stat = T.sblock_alloc_buffer((2,), "float32", scope="local")  # merge: max, denominator
                             tok0: T.let[T.int32] = tb * TOKENS
                             for a in T.unroll(ROWS_PER_THREAD * TOKENS):
                                 acc[a] = T.float32(0)
@@ -251,7 +285,11 @@ def quantized_matmul(spec: MatmulSpec):
                                         if tok0 + j < n:
                                             # the word's x (and norm weights) as 4-wide loads
                                             for v in T.unroll(X_VECS):
-                                                xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
+                                                if merges:
+                                                    merged_x(xq, v, tok0 + j, wi * X_VECS + v, stat, partial_o,
+                                                             partial_stats, num_splits)
+                                                else:
+                                                    xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
                                                 nq[v] = norm[wi * X_VECS + v] if normed else T.Broadcast(T.float32(1), 4)
                                             for k in T.unroll(PER_WORD):
                                                 # the norm's weight scales W's column: applied to x once for all rows

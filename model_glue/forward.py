@@ -25,6 +25,7 @@ def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
         ["qkv", "o_residual", "gate_up", "down_residual"]
     apart = [] if fold_norms else ["rms_norm", "swiglu"]
     fused = ["norm_qkv_rope_append_decode"] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
+    fused.append("o_residual_merge_decode")  # the o-projection merging a split attention call
     return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *fused,
             *apart,
             "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
@@ -117,29 +118,45 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
         workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
 
 
+def pass_attention_kernels(m, choice: AttentionChoice) -> list:
+    """The attention kernels a pass dispatches: without the merge where the o-projection
+    merges the split call's partial states (LlamaModel.o_merges)."""
+    kernels = m.attention_kernels(choice)
+    return kernels[:-1] if m.o_merges(choice) else kernels
+
+
 def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> list:
     """(kernel, values) of each kernel of a decode pass whose values change per step: attention
-    (the context grows) and the sampler (a new draw)."""
+    (the context grows), the merging o-projection (S may change) and the sampler (a new draw)."""
     buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
-    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(m.attention_kernels(choice), buffers, values)]
+    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, choice), buffers, values)]
+    if m.o_merges(choice):
+        pairs.append((m.kernels["o_residual_merge_decode"], o_merge_values(choice)))
     if sampling is not None and not sampling.greedy:
         pairs.append((m.kernels["sample"], sampling.kernel_values(draw)))
     return pairs
 
 
+def o_merge_values(choice: AttentionChoice) -> dict:
+    return {"n": 1, "num_splits": choice.num_splits}
+
+
 # -- the forward pass -------------------------------------------------------------------------------------
 def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None, rope_io=None,
-            values=None) -> None:
+            values=None, per_step: bool = False) -> None:
     """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
-    `rope_io`: the RoPE + append epilogue's buffers, written instead of y."""
+    `x` is a buffer, or a dict of the buffers x is made from (the merging o-projection's partial
+    states). `rope_io`: the RoPE + append epilogue's buffers, written instead of y."""
     w = m.weights
-    buffers = {"x": x, "w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]}
+    buffers = dict(x) if isinstance(x, dict) else {"x": x}
+    buffers.update({"w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]})
     buffers.update(rope_io or {"y": y})
     if norm is not None:
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid
-    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n, **(values or {})})
+    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n, **(values or {})},
+            per_step=per_step)
 
 
 def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> None:
@@ -172,7 +189,8 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
 
 def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> None:
     c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
-    attention = m.attention_kernels(choice)
+    attention = pass_attention_kernels(m, choice)
+    o_merges = m.o_merges(choice)
     stamps = PassStamps(c.n_layers)
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
@@ -181,7 +199,8 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
                              "scale": w["embed.scale"], "out": x}, {"n": n})
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
-        # attention block: x_mid = x + o(attention(rope(qkv(norm(x)))))
+        # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
+        # runs in the o-projection where LlamaModel.o_merges says so
         rope_io = {"positions": buf["positions"], "slots": buf["slots"], "pages": m.kv.layers[layer], "q": buf["q"]}
         if n == 1 and m.run.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
             _matmul(m, enc, "norm_qkv_rope_append", n, f"{p}.qkv", x, None, norm=f"{p}.attn_norm", rope_io=rope_io,
@@ -193,7 +212,11 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                 enc.run(kernel, kernel_buffers, values, per_step=True)
-        _matmul(m, enc, "o_residual", n, f"{p}.o", buf["attn"], x_mid, resid=x)
+        if o_merges:  # x of the o-projection is merged from the split call's partial states
+            _matmul(m, enc, "o_residual_merge", n, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
+                    resid=x, values=o_merge_values(choice), per_step=True)
+        else:
+            _matmul(m, enc, "o_residual", n, f"{p}.o", buf["attn"], x_mid, resid=x)
         # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
         _swiglu_ffn(m, enc, n, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm")
         _matmul(m, enc, "down_residual", n, f"{p}.down", buf["ffn"], x, resid=x_mid)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
+from contract.kernels import o_merges_splits
 from model_glue.attention import AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -39,10 +40,11 @@ class PlanKey(NamedTuple):
     split: bool
     greedy: bool
     one_pass: bool = False  # one compute pass, attention untimed (RunOptions.time_attention_every)
+    o_merges: bool = False  # the o-projection merges the split call (LlamaModel.o_merges: S decides)
 
     @classmethod
-    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False) -> "PlanKey":
-        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass)
+    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False, o_merges: bool = False) -> "PlanKey":
+        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass, o_merges)
 
 
 class LlamaModel:
@@ -132,6 +134,14 @@ class LlamaModel:
         except ValueError as err:
             raise ModelError(str(err)) from err
 
+    def o_merges(self, choice: AttentionChoice) -> bool:
+        """Whether a pass with this attention choice merges the split call's partial states in the
+        o-projection instead of a merge dispatch: RunOptions.merge_in_o, by default where
+        contract.kernels.o_merges_splits says it pays."""
+        if not choice.split or self.run.merge_in_o is False:
+            return False
+        return self.run.merge_in_o or o_merges_splits(self.config, self.dtype, choice.num_splits)
+
     def attention_kernels(self, choice: AttentionChoice) -> list:
         """The compiled kernels of one attention call, in dispatch order."""
         names = self.attention.kernel_names(choice)
@@ -187,7 +197,7 @@ class LlamaModel:
 
         batch = self.device.batch()
         one_pass = not self._times_attention(n, context)
-        key = PlanKey.of(choice, greedy, one_pass)
+        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice))
         recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
             self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))

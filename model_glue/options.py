@@ -30,8 +30,8 @@ DEFAULT_PIPELINE_DEPTH = 4
 # Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
 # Measured on the H200 (docs/benchmarks.md, natively): SmolLM2 at 1,536 tokens 1.166 ms a step in one
 # pass, 1.643 with every layer's attention timed (61 passes), 1.234 with one step in 8 timed: 5.8% over
-# one pass (the 1B shape 3.5%, the 8B 1.8%).
-ATTENTION_TIMING_EVERY = 8
+# one pass (the 1B shape 3.5%, the 8B 1.8%), above issue 25's 5% bar; hence one in 16.
+ATTENTION_TIMING_EVERY = 16
 MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 
@@ -61,6 +61,10 @@ class RunOptions:
     # pass, timed as a whole (attention_ms None): on an H200 the 61 passes of a timed SmolLM2 step cost
     # 29% of its GPU time. 1: every step; 0: none. None: ATTENTION_TIMING_EVERY.
     time_attention_every: int | None = None
+    # A split attention call's partial states merged inside the o-projection (one dispatch a layer
+    # fewer) rather than by the merge kernel. None: where contract.kernels.o_merges_splits says it pays
+    # (the o workgroups' reads of the states stay small); True: always; False: never.
+    merge_in_o: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -81,9 +85,9 @@ class RunOptions:
                                                       or self.time_attention_every < 0):
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
-        if not isinstance(self.replay, bool) or self.fold_norms not in (None, True, False) \
-                or self.warm_up not in (None, True, False):
-            raise ModelError("replay, fold_norms and warm_up are true or false")
+        if not isinstance(self.replay, bool) or any(getattr(self, f) not in (None, True, False)
+                                                    for f in ("fold_norms", "warm_up", "merge_in_o")):
+            raise ModelError("replay, fold_norms, warm_up and merge_in_o are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -110,7 +114,7 @@ class RunOptions:
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
-                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every") if getattr(request, f) is not None})
+                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o") if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":

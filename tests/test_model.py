@@ -232,11 +232,40 @@ def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_d
         run = loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=4,
                                                options=RunOptions(attention="sharded", layout=layout)))
         assert {s.kernel for s in run.stats if s.kind == "decode"} == {f"shards S={layout[-1]}"}
-    keys = [PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True, one_pass=one_pass)
+    # the tiny model's o-projection merges the splits at S = 2 and 4 (contract.kernels.o_merges_splits)
+    keys = [PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True, one_pass=one_pass, o_merges=True)
             for one_pass in (False, True)]
-    assert keys == [PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True, one_pass=one_pass)
+    assert keys == [PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True, one_pass=one_pass, o_merges=True)
                     for one_pass in (False, True)]
     assert sorted(k for k in model._plans if k.nest == "sharded") == keys and all(k in model._recorded for k in keys)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_o_projection_merges_a_split_call_as_the_merge_kernel_does(loop, gpu, test_library, tiny_dir,
+                                                                       tiny_reference, dtype):
+    """A split attention call's partial states merged inside the o-projection (RunOptions.merge_in_o)
+    give the very logits the merge dispatch does, and the f64 reference's, with one dispatch a layer
+    fewer; the merging o-projection is a per-step kernel of the plan (S may change)."""
+    if dtype == "float16" and not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    model = load(loop, gpu, test_library, tiny_dir, dtype)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, TINY_VOCAB, 70)]
+    runs = {}
+    for merge_in_o in (True, False):
+        model.reset()
+        run = loop.run_until_complete(generate(model, prompt, max_new_tokens=5, options=RunOptions(
+            attention="sharded", layout="shards:4", merge_in_o=merge_in_o)))
+        dispatches = {s.dispatches for s in run.stats if s.kind == "decode"}
+        runs[merge_in_o] = run.token_ids, logits_of(loop, model), dispatches
+    (ids, logits, dispatches), (ids_apart, logits_apart, dispatches_apart) = runs[True], runs[False]
+    assert ids == ids_apart and np.array_equal(logits, logits_apart)
+    assert len(dispatches) == 1 and dispatches == {d - model.config.n_layers for d in dispatches_apart}
+    tiny_reference.reset()
+    want = tiny_reference.forward(prompt + ids[:-1], 0)[-1]
+    assert rel_l2(logits, want) < LOGIT_TOLERANCE[dtype]
+    merging = model.kernels["o_residual_merge_decode"].name
+    plans = [plan for key, plan in model._plans.items() if key.o_merges]
+    assert plans and all(plan.per_step_kernels.count(merging) == model.config.n_layers for plan in plans)
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):

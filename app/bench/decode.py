@@ -46,9 +46,20 @@ async def run_decode_bench(args) -> dict:
     sampled = Sampling(temperature=1.0, top_k=40, top_p=0.95, seed=0)
 
     def mode_options(attention, override):
-        if override in ("one-pass", "every-step"):
-            return RunOptions(attention=attention, time_attention_every=0 if override == "one-pass" else 1)
-        return RunOptions(attention=attention, layout=None if override == "sample" else override)
+        """auto:one-pass, auto:every-step, auto:every-N (attention timed in one step of N),
+        auto:merge-apart / auto:merge-in-o (RunOptions.merge_in_o False / True), joined by '+';
+        any other override is a layout (auto:shards)."""
+        options = {}
+        for part in (override or "").split("+"):
+            if part in ("one-pass", "every-step"):
+                options["time_attention_every"] = 0 if part == "one-pass" else 1
+            elif part.startswith("every-") and part[6:].isdigit():
+                options["time_attention_every"] = int(part[6:])
+            elif part in ("merge-apart", "merge-in-o"):
+                options["merge_in_o"] = part == "merge-in-o"
+            elif part and part != "sample":
+                options["layout"] = part
+        return RunOptions(attention=attention, **options)
     # Warm-up: first use of each pipeline and buffer costs extra on some drivers, and a GPU's clocks
     # ramp up only under sustained work (the H200 idles at 345 MHz): at least WARMUP_SECONDS of runs.
     warmup_until = time.perf_counter() + WARMUP_SECONDS
