@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from conftest import open_page, run_comparison
+from model_glue.options import ATTENTION_TIMING_EVERY
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -51,10 +52,11 @@ def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
     assert [s["kind"] for s in steps[1:]] == ["decode"] * (len(steps) - 1)
     assert steps[0]["nest"] == "prefill"  # the prompt runs the causal prefill kernel
     assert {s["nest"] for s in steps[1:]} == {"tiled"}  # a short chat stays below 256 tokens
-    # attention timed in the prompt, the first decode step and where the context is a multiple of 8
+    # attention timed in the prompt, the first decode step and where the context is a multiple of N
     # (RunOptions.time_attention_every); the other steps say why they have none
     timed = [s for s in steps if s["attention_ms"] is not None]
-    assert [s["context"] for s in timed] == [37, 38] + [s["context"] for s in steps[2:] if s["context"] % 8 == 0]
+    assert [s["context"] for s in timed] == [37, 38] + [
+        s["context"] for s in steps[2:] if s["context"] % ATTENTION_TIMING_EVERY == 0]
     assert all(s["attention_ms"] > 0 for s in timed)
     assert all("sampled" in s["timing_note"] for s in steps if s["attention_ms"] is None)
     assert "tiled" in tab.inner_text("#overlay-last")

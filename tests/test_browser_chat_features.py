@@ -397,7 +397,7 @@ def test_the_overlay_shows_what_ran_last_and_covers_nothing(tab):
     send(tab, "And now a reply.", 4)
     chart = tab.evaluate("window.demoState.overlayChart")
     decode = [s for s in tab.evaluate("window.demoState.steps") if s["kind"] == "decode"]
-    timed = [s for s in decode if s["attention_ms"] is not None]  # sampled: the first, then contexts % 8 == 0
+    timed = [s for s in decode if s["attention_ms"] is not None]  # sampled: the first, then contexts % N == 0
     assert len(decode) == 3 and decode[0]["attention_ms"] is not None
     assert chart["legend"] == [] and chart["points"] == len(timed), chart  # this chat's timed decode steps
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
