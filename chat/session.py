@@ -175,7 +175,9 @@ class ChatSession:
         fed those tokens, so the extra run happens only after a divergence. The conversation so far
         is the context; the compared replies are not added to it. Unlike a chat turn (one decode
         step in RunOptions.time_attention_every), every decode step times its attention: the
-        comparison's curves are its point, and its tokens/s carry the per-layer passes' cost.
+        comparison's curves are its point, and its tokens/s carry the per-layer passes' cost. And a
+        split call's merge runs as its own dispatch (RunOptions.merge_in_o False), so that each
+        nest's attention time holds all of its work.
         """
         ids = self.prompt_ids(self._checked_prompt(user_text))
         runs = {}
@@ -183,7 +185,7 @@ class ChatSession:
             if on_progress is not None:
                 on_progress(nest)
             runs[nest] = await self._run(ids, max_new_tokens, replace(options or RunOptions(), attention=nest,
-                                                                      time_attention_every=1), None)
+                                                                      time_attention_every=1, merge_in_o=False), None)
         a, b = runs["tiled"]["token_ids"], runs["sharded"]["token_ids"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):

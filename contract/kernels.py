@@ -92,8 +92,11 @@ PAIRED_MIN_WORKGROUPS = 384
 MATMUL_ROWS = 8  # weight rows (threadIdx.y) of a decode matmul's workgroup: 8 x 32 lanes
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
-# is cheaper. Fitted to the H200 (docs/benchmarks.md).
-O_MERGE_MAX_READ = 4 << 20
+# is cheaper. Fitted to the H200 (docs/benchmarks.md, one pass, GPU ms a step, merged in o vs apart):
+# SmolLM2 at S = 4..32 (0.7-5.3 MB read) 5% faster; the 1B shape at S = 4 and 8 (8.4, 16.8 MB) 1%;
+# at S = 16 (33.6 MB) even.
+O_MERGE_MAX_READ = 16 << 20
+O_MERGE_MAX_X_BYTES = 8192  # the merged x (f32) in workgroup memory, beside the lanes' partial dots
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,8 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
         *weights["qkv"], dtype, norm_eps=c.rms_eps,
         rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
-    roles["o_residual_merge_decode"] = o_merge_spec(c, dtype)
+    if o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
+        roles["o_residual_merge_decode"] = o_merge_spec(c, dtype)
     for phase in ("decode", "prefill"):
         for matmul, weight in LAYER_MATMULS.items():
             roles[f"{matmul}_{phase}"] = MatmulSpec(
@@ -239,9 +243,11 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
 def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
     """Whether a decode step whose attention is split `num_splits` ways merges the partial states in
     the o-projection (o_residual_merge_decode) rather than in a merge dispatch: every o workgroup
-    reads all of them (heads x S x head_dim f32), so only while that stays small beside a dispatch."""
-    read = o_merge_spec(c, dtype).workgroups * c.n_heads * num_splits * c.head_dim * 4
-    return num_splits > 1 and read <= O_MERGE_MAX_READ
+    reads all of them (heads x S x head_dim f32), so only while that stays small beside a dispatch;
+    and the merged x must fit its workgroup memory."""
+    spec = o_merge_spec(c, dtype)
+    read = spec.workgroups * c.n_heads * num_splits * c.head_dim * 4
+    return num_splits > 1 and spec.in_features * 4 <= O_MERGE_MAX_X_BYTES and read <= O_MERGE_MAX_READ
 
 
 def o_merge_spec(c: LlamaConfig, dtype: str) -> MatmulSpec:

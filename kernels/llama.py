@@ -16,7 +16,7 @@ import math
 from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
-from kernels.paged_kv import MASKED_SCORE
+from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -123,10 +123,11 @@ def quantized_matmul(spec: MatmulSpec):
     workgroup's 8-column groups) and writes q to `q` and k, v into the token's page slot, in f32 from
     the totals (rope_and_append, the separate dispatch, reads them rounded to `dtype`).
 
-    With `split_head_dim` (the o-projection after a split attention call), x is merged from the
-    call's partial states as each word's x is loaded: a thread folds the S splits of its 4-wide
-    chunks with kernels.decode_attention_merge's arithmetic (an online softmax over splits, then a
-    division and the rounding to `dtype`), so x is what the merge dispatch would have written.
+    With `split_head_dim` (the o-projection after a split attention call), x is first merged from
+    the call's partial states into workgroup memory, each thread a 4-wide chunk, with
+    kernels.decode_attention_merge's code (its online softmax over splits, the division and the
+    rounding to `dtype`; kept as f32 beside the lanes' partials): x is what the merge dispatch
+    would have written, one barrier later.
 
     With `argmax_partials` (the head), each workgroup also writes the largest of its columns and
     its index (the lowest on ties) to best[workgroup], for argmax_partials.
@@ -161,7 +162,10 @@ def quantized_matmul(spec: MatmulSpec):
     merges = spec.split_head_dim is not None
     MD = spec.split_head_dim or 4
     MH, M_CHUNKS = in_features // MD, MD // 4
-    assert not merges or (in_features % MD == 0 and MD % PER_WORD == 0)
+    X_CHUNKS = in_features // 4
+    MERGED_AT = DOTS + TOKENS * LANES if normed else DOTS  # f32 words of `partial` before the merged x
+    MERGE_TRIPS = (X_CHUNKS + ROWS * LANES - 1) // (ROWS * LANES)
+    assert not merges or (in_features % MD == 0 and TOKENS == 1)
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
 
@@ -174,6 +178,11 @@ def quantized_matmul(spec: MatmulSpec):
 
     def dot_row(c):  # the row (q) whose dot makes column c of the thread
         return 2 * c if swiglu else c
+
+    def x_value(xq, partial, wi, k):  # element k of word wi's x: loaded 4-wide, or merged into workgroup memory
+        if merges:
+            return partial[MERGED_AT + wi * PER_WORD + k]
+        return T.Shuffle([xq[k // 4]], [k % 4])
 
     def weight_value(word, k, s, m):
         if weight_format == "q4":
@@ -202,25 +211,6 @@ def quantized_matmul(spec: MatmulSpec):
                 pages[page, 0, head - H, slot, i] = T.Cast(dtype, total[3])
         else:
             pages[page, 1, (column - QK_COLUMNS) // D, slot, i] = T.Cast(dtype, total[0])
-
-    @T.macro
-    def merged_x(xq, v, token, chunk, stat, partial_o, partial_stats, num_splits):
-        # xq[v] = 4-wide chunk `chunk` of the merged attention output (as the merge dispatch writes it)
-        h: T.let[T.int32] = chunk // M_CHUNKS
-        ci: T.let[T.int32] = chunk % M_CHUNKS
-        stat[0] = T.float32(MASKED_SCORE)
-        stat[1] = T.float32(0)
-        xq[v] = T.Broadcast(T.float32(0), 4)
-        for s in T.serial(num_splits):
-            m_s: T.let[T.float32] = partial_stats[token, h, s, 0]
-            m_new: T.let[T.float32] = T.max(stat[0], m_s)
-            rescale: T.let[T.float32] = T.exp2(stat[0] - m_new)
-            w_s: T.let[T.float32] = T.exp2(m_s - m_new)
-            stat[1] = stat[1] * rescale + partial_stats[token, h, s, 1] * w_s
-            xq[v] = xq[v] * T.Broadcast(rescale, 4) + partial_o[token, h, s, ci] * T.Broadcast(w_s, 4)
-            stat[0] = m_new
-        denom: T.let[T.float32] = T.if_then_else(stat[1] > T.float32(0), stat[1], T.float32(1))
-        xq[v] = T.Cast("float32x4", T.Cast(f"{dtype}x4", xq[v] / T.Broadcast(denom, 4)))
 
     @T.prim_func(s_tir=True)
     def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
@@ -251,7 +241,8 @@ def quantized_matmul(spec: MatmulSpec):
                         with T.sblock("matmul"):
                             T.reads()
                             T.writes()
-                            partial = T.sblock_alloc_buffer((DOTS + TOKENS * LANES if normed else DOTS,),
+                            # the lanes' partial dots, (normed) the x^2 sums, (merges) the merged x at MERGED_AT
+                            partial = T.sblock_alloc_buffer((MERGED_AT + in_features if merges else MERGED_AT,),
                                                             "float32", scope="shared")
                             # argmax_partials: each column's logit, then its index (f32, exact below 2^24)
                             column_best = T.sblock_alloc_buffer((2 * COLUMNS_PER_GROUP,), "float32", scope="shared")
@@ -266,12 +257,29 @@ def quantized_matmul(spec: MatmulSpec):
                             # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu) or the
                             # RoPE partner row's (rope_append), 3 the rotated value
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                            stat = T.sblock_alloc_buffer((2,), "float32", scope="local")  # merge: max, denominator
+                            # split_head_dim: the merge's state (max, denominator; O)
+                            stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            o_acc = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
+                            split_max = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                            split_sum = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
+                            split_o = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32x4", scope="local")
                             tok0: T.let[T.int32] = tb * TOKENS
                             for a in T.unroll(ROWS_PER_THREAD * TOKENS):
                                 acc[a] = T.float32(0)
                             for j in T.unroll(TOKENS):
                                 squares[j] = T.float32(0)
+                            if merges:  # x from the split call's partial states, a chunk a thread
+                                for trip in T.unroll(MERGE_TRIPS):
+                                    chunk: T.let[T.int32] = trip * ROWS * LANES + r * LANES + lane
+                                    if chunk < X_CHUNKS:
+                                        merge_split_states(partial_o, partial_stats, tok0, chunk // M_CHUNKS,
+                                                           chunk % M_CHUNKS, num_splits, stat, o_acc, split_max,
+                                                           split_sum, split_o)
+                                        denom: T.let[T.float32] = T.if_then_else(stat[1] > T.float32(0), stat[1],
+                                                                                 T.float32(1))
+                                        for e in T.unroll(4):  # rounded to dtype, as the merge writes it
+                                            partial[MERGED_AT + chunk * 4 + e] = T.Cast("float32", T.Cast(
+                                                dtype, T.Shuffle([o_acc[0]], [e]) / denom))
                             for trip in T.serial(WORD_TRIPS):
                                 wi: T.let[T.int32] = trip * LANES + lane
                                 if wi < WORDS:
@@ -285,15 +293,12 @@ def quantized_matmul(spec: MatmulSpec):
                                         if tok0 + j < n:
                                             # the word's x (and norm weights) as 4-wide loads
                                             for v in T.unroll(X_VECS):
-                                                if merges:
-                                                    merged_x(xq, v, tok0 + j, wi * X_VECS + v, stat, partial_o,
-                                                             partial_stats, num_splits)
-                                                else:
+                                                if not merges:
                                                     xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
                                                 nq[v] = norm[wi * X_VECS + v] if normed else T.Broadcast(T.float32(1), 4)
                                             for k in T.unroll(PER_WORD):
                                                 # the norm's weight scales W's column: applied to x once for all rows
-                                                xv: T.let[T.float32] = T.Shuffle([xq[k // 4]], [k % 4])
+                                                xv: T.let[T.float32] = x_value(xq, partial, wi, k)
                                                 nk: T.let[T.float32] = T.Shuffle([nq[k // 4]], [k % 4])
                                                 for p in T.unroll(ROWS_PER_THREAD):
                                                     acc[p * TOKENS + j] = acc[p * TOKENS + j] + \

@@ -17,15 +17,16 @@ from model_glue.kernel import DispatchPlan
 from model_glue.step_stats import PassStamps
 
 
-def forward_roles(fold_norms: bool, greedy: bool = True) -> list[str]:
+def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
-    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler.
-    Only these are compiled."""
+    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler, and
+    (`o_merges`: the shape has it) the o-projection that merges a split attention call. Only these
+    are compiled."""
     matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
         ["qkv", "o_residual", "gate_up", "down_residual"]
     apart = [] if fold_norms else ["rms_norm", "swiglu"]
     fused = ["norm_qkv_rope_append_decode"] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
-    fused.append("o_residual_merge_decode")  # the o-projection merging a split attention call
+    fused += ["o_residual_merge_decode"] if o_merges else []
     return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *fused,
             *apart,
             "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]

@@ -30,6 +30,10 @@ from model_glue.scratch import ScratchBuffers
 from model_glue.step_stats import StepStats, stamp_count
 
 
+# A timed step whose split attention call is merged inside the o-projection (LlamaModel.o_merges)
+O_MERGE_NOTE = "the split attention's merge ran inside the o-projection, not in attention_ms"
+
+
 class PlanKey(NamedTuple):
     """What fixes the dispatches of a pass: its attention kernels (the nest, the layout, whether
     split: S itself is a per-step value, so a plan and its recording serve every S) and argmax vs
@@ -109,7 +113,8 @@ class LlamaModel:
 
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
-        wanted = [role for role in forward_roles(fold_norms, greedy) if role not in self.kernels]
+        roles = forward_roles(fold_norms, greedy, o_merges="o_residual_merge_decode" in self.kernel_names)
+        wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
     async def use(self, request: RunOptions | None, sampling=None) -> None:
@@ -136,9 +141,9 @@ class LlamaModel:
 
     def o_merges(self, choice: AttentionChoice) -> bool:
         """Whether a pass with this attention choice merges the split call's partial states in the
-        o-projection instead of a merge dispatch: RunOptions.merge_in_o, by default where
-        contract.kernels.o_merges_splits says it pays."""
-        if not choice.split or self.run.merge_in_o is False:
+        o-projection instead of a merge dispatch: RunOptions.merge_in_o (True: wherever the shape
+        has the kernel), by default where contract.kernels.o_merges_splits says it pays."""
+        if not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names:
             return False
         return self.run.merge_in_o or o_merges_splits(self.config, self.dtype, choice.num_splits)
 
@@ -212,7 +217,8 @@ class LlamaModel:
                                              one_pass=one_pass), n, choice, nnz_pages, sampling, draw)
             if record:
                 self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
-        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, str(choice), None, 0.0)
+        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, str(choice), None, 0.0,
+                          timing_note=O_MERGE_NOTE if key.o_merges else "")
         self._last_pass_tokens = n
         self._all_stamps_written |= not one_pass
         return self.pipeline.submit(batch, self.buffers["next_id"], stats, start=start,

@@ -68,8 +68,10 @@ class StepStats:
             return
         spans = [ticks[end] - ticks[begin] for begin, end in map(at.attention, range(n_layers))]
         self.attention_ms = sum(spans) / 1e6
-        # Some browsers quantize timestamps (100 us) unless developer features are on.
-        self.timing_note = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
+        # Some browsers quantize timestamps (100 us) unless developer features are on. A note the pass
+        # already had (the merge inside the o-projection) stays.
+        quantized = "quantized timestamps (100 us steps)" if all(s % 100_000 == 0 for s in spans) else ""
+        self.timing_note = "; ".join(note for note in (self.timing_note, quantized) if note)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,10 +33,11 @@ def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_li
     assert 64 + 3 + 1 < decode_bench.WARMUP_PROMPT + decode_bench.WARMUP_NEW_TOKENS
     args = argparse.Namespace(contexts=[64], steps=3, dtype="float32", synthetic=False, sample=False, json=None,
                               model=tiny_folder, kernels=test_artifact_dir,
-                              modes=["auto", "auto:shards", "tiled", "auto:one-pass"])
+                              modes=["auto", "auto:shards", "tiled", "auto:one-pass", "auto:every-2+merge-apart"])
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
     rows = result["rows"]
-    assert [row["attention"] for row in rows] == ["auto", "auto:shards", "tiled", "auto:one-pass"]
+    assert [row["attention"] for row in rows] == ["auto", "auto:shards", "tiled", "auto:one-pass",
+                                                  "auto:every-2+merge-apart"]
     assert all(row["context"] == 64 for row in rows)
     assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in rows)
     one_pass, timed = rows[3], rows[0]

@@ -255,8 +255,9 @@ def test_the_o_projection_merges_a_split_call_as_the_merge_kernel_does(loop, gpu
         model.reset()
         run = loop.run_until_complete(generate(model, prompt, max_new_tokens=5, options=RunOptions(
             attention="sharded", layout="shards:4", merge_in_o=merge_in_o)))
-        dispatches = {s.dispatches for s in run.stats if s.kind == "decode"}
-        runs[merge_in_o] = run.token_ids, logits_of(loop, model), dispatches
+        decode = [s for s in run.stats if s.kind == "decode"]
+        runs[merge_in_o] = run.token_ids, logits_of(loop, model), {s.dispatches for s in decode}
+        assert all(("o-projection" in s.timing_note) == merge_in_o for s in decode if s.attention_ms is not None)
     (ids, logits, dispatches), (ids_apart, logits_apart, dispatches_apart) = runs[True], runs[False]
     assert ids == ids_apart and np.array_equal(logits, logits_apart)
     assert len(dispatches) == 1 and dispatches == {d - model.config.n_layers for d in dispatches_apart}
