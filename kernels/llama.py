@@ -213,9 +213,9 @@ def quantized_matmul(spec: MatmulSpec):
             pages[page, 1, (column - QK_COLUMNS) // D, slot, i] = T.Cast(dtype, total[0])
 
     @T.prim_func(s_tir=True)
-    def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
-               resid_h: T.handle, y_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle,
-               q_h: T.handle, best_h: T.handle):
+    def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle,
+               scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle, positions_h: T.handle,
+               slots_h: T.handle, pages_h: T.handle, q_h: T.handle, best_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         num_pages = T.int32()
