@@ -38,7 +38,7 @@ export function drawSteps(canvas, series, { switchAt = null, yTitle = "attention
     ctx.fillText(y < 1 ? y.toFixed(2) : y.toFixed(1), left - 4, Y(y) + 3);
     ctx.textAlign = "left";
   }
-  const xStep = niceStep(maxX - minX, 5);
+  const xStep = Math.max(1, niceStep(maxX - minX, 5));  // contexts are whole tokens: no 39.4 ticks
   for (let x = Math.ceil(minX / xStep) * xStep; x <= maxX; x += xStep) {
     ctx.fillText(String(x), X(x) - 8, h - bottom + 12);
   }
