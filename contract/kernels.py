@@ -11,6 +11,7 @@ a one-place change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
 
@@ -240,6 +241,7 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
     return roles
 
 
+@lru_cache(maxsize=64)  # asked a few times every decode step (LlamaModel.o_merges): the answer never changes
 def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
     """Whether a decode step whose attention is split `num_splits` ways merges the partial states in
     the o-projection (o_residual_merge_decode) rather than in a merge dispatch: every o workgroup
