@@ -20,6 +20,11 @@ from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
+# The decode matmul's loads (fitted on the H200, docs/benchmarks.md): a lane reads two neighbouring
+# packed words of a row at once (8 bytes: a warp's load spans 256 contiguous bytes) and has four
+# such loads a row in flight (its trip loop unrolled by 4).
+WORDS_PER_LOAD = 2
+TRIP_UNROLL = 4
 
 
 def _sign_extend_byte(word, k):
@@ -101,8 +106,9 @@ def quantized_matmul(spec: MatmulSpec):
     RMSNorm before it and the SwiGLU after it folded in, so neither is a dispatch of its own.
 
     256 invocations = ROWS (8) x LANES (32) lanes, each thread one weight row or, where enough
-    workgroups remain, two (spec.rows_per_thread: one load of x serves both); a lane walks the row's packed words
-    with stride 32 (neighbouring lanes read neighbouring words), dequantizes each word once and
+    workgroups remain, two (spec.rows_per_thread: one load of x serves both); a lane walks the row
+    WORDS_PER_LOAD packed words at a time with stride 32 loads (neighbouring lanes read neighbouring
+    chunks), TRIP_UNROLL loads in flight, dequantizes each word once and
     applies it to the TOKENS tokens of its workgroup (1: the decode step and the head; prefill passes
     run kernels.prefill_matmul, which tiles tokens as well as rows). The 32
     lane partials of each (row, token) meet in workgroup memory behind one barrier.
@@ -146,8 +152,11 @@ def quantized_matmul(spec: MatmulSpec):
     ROWS_PER_THREAD = spec.rows_per_thread
     PER_WORD = 8 if weight_format == "q4" else 4
     WORDS = in_features // PER_WORD
-    WORD_TRIPS = (WORDS + LANES - 1) // LANES
-    X_VECS = PER_WORD // 4  # x's (and the norm's) 4-wide vectors per packed word
+    CHUNKS = WORDS // WORDS_PER_LOAD  # a row's loads of WORDS_PER_LOAD neighbouring words
+    CHUNK_VALUES = WORDS_PER_LOAD * PER_WORD  # weights per load: within one quantization block
+    assert WORDS % WORDS_PER_LOAD == 0 and BLOCK % CHUNK_VALUES == 0
+    TRIPS = (CHUNKS + LANES - 1) // LANES  # a lane's loads along a row
+    X_VECS = CHUNK_VALUES // 4  # x's (and the norm's) 4-wide vectors per chunk
     OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
     COLUMNS_PER_GROUP = spec.columns_per_group  # y's columns per workgroup
     DOTS = ROWS_PER_THREAD * ROWS * TOKENS * LANES  # the lanes' partial dots, then (normed) row 0's x^2 sums
@@ -179,10 +188,13 @@ def quantized_matmul(spec: MatmulSpec):
     def dot_row(c):  # the row (q) whose dot makes column c of the thread
         return 2 * c if swiglu else c
 
-    def x_value(xq, partial, wi, k):  # element k of word wi's x: loaded 4-wide, or merged into workgroup memory
+    def x_value(xq, partial, wi, k):  # element k of chunk wi's x: loaded 4-wide, or merged into workgroup memory
         if merges:
-            return partial[MERGED_AT + wi * PER_WORD + k]
+            return partial[MERGED_AT + wi * CHUNK_VALUES + k]
         return T.Shuffle([xq[k // 4]], [k % 4])
+
+    def word_of(word, p, u):  # word u of row p's loaded chunk
+        return T.Shuffle([word[p]], [u])
 
     def weight_value(word, k, s, m):
         if weight_format == "q4":
@@ -224,7 +236,7 @@ def quantized_matmul(spec: MatmulSpec):
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
-        w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
+        w = T.match_buffer(w_h, (out_features, CHUNKS), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, WORDS]
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
         wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
         resid = T.match_buffer(resid_h, (n, OUT_COLUMNS), out_dtype)
@@ -249,7 +261,7 @@ def quantized_matmul(spec: MatmulSpec):
                             acc = T.sblock_alloc_buffer((ROWS_PER_THREAD * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' words, scales and mins at the current word
-                            word = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "uint32", scope="local")
+                            word = T.sblock_alloc_buffer((ROWS_PER_THREAD,), f"uint32x{WORDS_PER_LOAD}", scope="local")
                             ws = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
                             xq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the word's x
@@ -280,10 +292,12 @@ def quantized_matmul(spec: MatmulSpec):
                                         for e in T.unroll(4):  # rounded to dtype, as the merge writes it
                                             partial[MERGED_AT + chunk * 4 + e] = T.Cast("float32", T.Cast(
                                                 dtype, T.Shuffle([o_acc[0]], [e]) / denom))
-                            for trip in T.serial(WORD_TRIPS):
-                                wi: T.let[T.int32] = trip * LANES + lane
-                                if wi < WORDS:
-                                    blk: T.let[T.int32] = wi * PER_WORD // BLOCK
+                            # TRIP_UNROLL trips unrolled, so that their loads are in flight together
+                            for trips in T.serial((TRIPS + TRIP_UNROLL - 1) // TRIP_UNROLL):
+                              for trip in T.unroll(TRIP_UNROLL):
+                                wi: T.let[T.int32] = (trips * TRIP_UNROLL + trip) * LANES + lane  # the chunk
+                                if wi < CHUNKS:
+                                    blk: T.let[T.int32] = wi * CHUNK_VALUES // BLOCK
                                     for p in T.unroll(ROWS_PER_THREAD):
                                         word[p] = w[weight_row(rb, r, p), wi]
                                         ws[p] = scale[weight_row(rb, r, p), blk]
@@ -296,13 +310,13 @@ def quantized_matmul(spec: MatmulSpec):
                                                 if not merges:
                                                     xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
                                                 nq[v] = norm[wi * X_VECS + v] if normed else T.Broadcast(T.float32(1), 4)
-                                            for k in T.unroll(PER_WORD):
+                                            for e in T.unroll(CHUNK_VALUES):
                                                 # the norm's weight scales W's column: applied to x once for all rows
-                                                xv: T.let[T.float32] = x_value(xq, partial, wi, k)
-                                                nk: T.let[T.float32] = T.Shuffle([nq[k // 4]], [k % 4])
+                                                xv: T.let[T.float32] = x_value(xq, partial, wi, e)
+                                                nk: T.let[T.float32] = T.Shuffle([nq[e // 4]], [e % 4])
                                                 for p in T.unroll(ROWS_PER_THREAD):
                                                     acc[p * TOKENS + j] = acc[p * TOKENS + j] + \
-                                                        weight_value(word[p], k, ws[p], wm[p]) * (xv * nk)
+                                                        weight_value(word_of(word, p, e // PER_WORD), e % PER_WORD, ws[p], wm[p]) * (xv * nk)
                                                 if normed:
                                                     if r == 0:  # every row reads the same x: one row sums it
                                                         squares[j] = squares[j] + xv * xv
