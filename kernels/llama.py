@@ -260,11 +260,11 @@ def quantized_matmul(spec: MatmulSpec):
                             column_best = T.sblock_alloc_buffer((2 * COLUMNS_PER_GROUP,), "float32", scope="shared")
                             acc = T.sblock_alloc_buffer((ROWS_PER_THREAD * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
-                            # this thread's rows' words, scales and mins at the current word
+                            # this thread's rows' chunks (WORDS_PER_LOAD words), scales and mins at the current chunk
                             word = T.sblock_alloc_buffer((ROWS_PER_THREAD,), f"uint32x{WORDS_PER_LOAD}", scope="local")
                             ws = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
-                            xq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the word's x
+                            xq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the chunk's x
                             nq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # its norm weights
                             # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu) or the
                             # RoPE partner row's (rope_append), 3 the rotated value
