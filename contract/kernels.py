@@ -10,7 +10,8 @@ a one-place change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
@@ -91,6 +92,7 @@ def attention_kernel_name(kernel: str, shape: AttentionShape, dtype: str, slidin
 QUAD_MIN_WORKGROUPS = 512
 PAIRED_MIN_WORKGROUPS = 384
 MATMUL_ROWS = 8  # weight rows (threadIdx.y) of a decode matmul's workgroup: 8 x 32 lanes
+PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefill_matmul.ROWS)
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
 # is cheaper. Fitted to the H200 (docs/benchmarks.md, one pass, GPU ms a step, merged in o vs apart):
@@ -100,17 +102,42 @@ O_MERGE_MAX_READ = 16 << 20
 O_MERGE_MAX_X_BYTES = 8192  # the merged x (f32) in workgroup memory, beside the lanes' partial dots
 
 
+# What a model kernel is compiled for, and what it reads as runtime values (its PODArgs), so that
+# shapes share kernels: a matmul is compiled for its row width (in_features), its folds and its rows
+# a thread, never for its row count (`out_features`: qkv width, FFN width, vocabulary), the norm's
+# epsilon, the head counts or the RoPE base and scaling. A model whose every kernel name
+# (`llama_kernels(c, dtype)[role].name`) is in the artifact runs, whatever config it comes from.
+NEUTRAL_ROPE_SCALING = {"rope_inv_factor": 1.0, "rope_ratio": 0.0, "rope_low": -1.0, "rope_span": 1.0}
+
+
+def rope_values(n_heads: int, n_kv_heads: int, head_dim: int, theta: float, scaling: tuple | None) -> dict:
+    """The runtime values of the kernels that apply RoPE (kernels.llama.rope_inv_freq): the head
+    counts, theta's exponent per pair, and Llama 3's scaling (factor, low, high, original context)
+    as the kernel uses it; without scaling, values for which the kernel multiplies by exactly 1."""
+    values = {"q_heads": n_heads, "kv_heads": n_kv_heads, "rope_exponent": -math.log2(theta) / head_dim}
+    if scaling is None:
+        return {**values, **NEUTRAL_ROPE_SCALING}
+    factor, low, high, original = scaling
+    return {**values, "rope_inv_factor": 1 / factor, "rope_ratio": original / (2 * math.pi), "rope_low": low,
+            "rope_span": high - low}
+
+
 @dataclass(frozen=True)
 class RopeAppend:
     """The decode qkv matmul's epilogue: adjacent-pair RoPE on the q and k columns (Llama 3's
     `scaling` where given, as contract.model.LlamaConfig.rope_scaling), q written to `q`, k and v
-    into the token's slot of the layer's pages. It replaces a rope_append dispatch per layer."""
+    into the token's slot of the layer's pages. It replaces a rope_append dispatch per layer. The
+    kernel is compiled for head_dim only (`rope_values` are runtime values)."""
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
     theta: float
     scaling: tuple | None = None
+
+    @property
+    def values(self) -> dict:
+        return rope_values(self.n_heads, self.n_kv_heads, self.head_dim, self.theta, self.scaling)
 
 
 @dataclass(frozen=True)
@@ -119,7 +146,11 @@ class MatmulSpec:
     scale), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
     the SwiGLU after it (W holds the gate rows, then the up rows), a residual add (`resid`).
     Decode passes run kernels.llama.quantized_matmul (one token); prefill passes (`tiled`) run
-    kernels.prefill_matmul (tiles of tokens x weight rows, q4 only)."""
+    kernels.prefill_matmul (tiles of tokens x weight rows, q4 only).
+
+    The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread;
+    out_features, norm_eps and the RoPE epilogue's heads, base and scaling are runtime values
+    (`values`), so the builders read them from the kernel's PODArgs, never from the spec."""
 
     out_features: int
     in_features: int
@@ -149,6 +180,39 @@ class MatmulSpec:
         inputs = SPLIT_WORKSPACE if self.split_head_dim else ("x",)
         return inputs + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
             + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials
+
+    @property
+    def name(self) -> str:
+        """The artifact name: every compile-time choice, nothing that is a runtime value."""
+        folds = "".join(f"_{fold}" for fold, on in (
+            ("norm", self.norm_eps is not None), ("swiglu", self.swiglu), ("resid", self.residual),
+            (f"rope_d{self.rope_append.head_dim}" if self.rope_append else "", self.rope_append is not None),
+            (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
+        rows = "" if self.tiled else f"_r{self.rows_per_thread}"
+        out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
+        return (f"matmul_{'prefill' if self.tiled else 'decode'}_{self.weights}_k{self.in_features}{folds}{rows}"
+                f"{out}_{DTYPE_TAGS[self.dtype]}")
+
+    @property
+    def values(self) -> dict:
+        """The kernel's runtime values for this matmul."""
+        values = {"out_features": self.out_features}
+        if self.norm_eps is not None:
+            values["eps"] = self.norm_eps
+        return {**values, **(self.rope_append.values if self.rope_append else {})}
+
+    def unsupported(self) -> str | None:
+        """Why this matmul's sizes cannot run on its kernel, or None (the kernel's grid covers whole
+        workgroups of columns, and the rows are whole quantization blocks)."""
+        if self.tiled:
+            columns = PREFILL_TILE_ROWS // (2 if self.swiglu else 1)
+        else:
+            columns = self.columns_per_group
+        width = self.out_features // 2 if self.swiglu else self.out_features
+        if width % columns or self.in_features % 32:
+            return (f"a {self.out_features} x {self.in_features} matmul needs rows in multiples of {columns} "
+                    "and columns in multiples of 32")
+        return None
 
     @property
     def rows_per_thread(self) -> int:
@@ -185,12 +249,17 @@ class MatmulSpec:
 
 @dataclass(frozen=True)
 class KernelRole:
-    """A model kernel other than a matmul: its builder in kernels/, the builder's arguments and the
-    buffer names the runtime binds."""
+    """A model kernel other than a matmul: its builder in kernels/, the builder's (compile-time)
+    arguments, the buffer names the runtime binds, its artifact name and its runtime values."""
 
     builder: str
     args: tuple
     buffers: tuple[str, ...]
+    name: str
+    values: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def unsupported(self) -> str | None:
+        return None
 
 
 # The layer's matmuls, each with what is folded into it (LAYER_MATMULS[m] gives the weight matrix it
@@ -208,22 +277,29 @@ LAYER_MATMULS = {
 
 
 def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
-    """role -> spec of every kernel of a model's forward pass, decode attention apart (the runtime
-    finds them as `model_kernel_name(config_name, role, dtype)`)."""
+    """role -> spec of every kernel of a model's forward pass, decode attention apart: the runtime
+    finds each as `spec.name` in the artifact and dispatches it with `spec.values`."""
     weights = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
                "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
+    tag = DTYPE_TAGS[dtype]
+    head = head_spec(c, dtype)
+    rope = rope_values(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling)
     roles = {
-        "embed": KernelRole("embedding_q8", (c.vocab_size, c.dim, dtype), ("ids", "q8", "scale", "out")),
-        "rms_norm": KernelRole("rms_norm", (c.dim, c.rms_eps, dtype), ("x", "weight", "out")),
-        "rope_append": KernelRole("rope_and_append", (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, dtype, c.rope_scaling),
-                                  ("qkv", "positions", "slots", "pages", "q")),
-        "swiglu": KernelRole("swiglu", (c.ffn_dim, dtype), ("gate_up", "h")),
+        "embed": KernelRole("embedding_q8", (c.dim, dtype), ("ids", "q8", "scale", "out"), f"embed_q8_d{c.dim}_{tag}",
+                            {"vocab": c.vocab_size}),
+        "rms_norm": KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
+                               {"eps": c.rms_eps}),
+        "rope_append": KernelRole("rope_and_append", (c.head_dim, dtype), ("qkv", "positions", "slots", "pages", "q"),
+                                  f"rope_append_d{c.head_dim}_{tag}", rope),
+        "swiglu": KernelRole("swiglu", (dtype,), ("gate_up", "h"), f"swiglu_{tag}", {"ffn_dim": c.ffn_dim}),
         # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
         # (value, index) for the argmax
-        "norm_lm_head": head_spec(c, dtype, folded=True),
+        "norm_lm_head": head,
         "lm_head": head_spec(c, dtype, folded=False),
-        "argmax": KernelRole("argmax_partials", (head_spec(c, dtype).workgroups, c.vocab_size), ("best", "out")),
-        "sample": KernelRole("sample_top_k_top_p", (c.vocab_size, MAX_TOP_K), ("logits", "out")),
+        "argmax": KernelRole("argmax_partials", (), ("best", "out"), "argmax_partials",
+                             {"groups": head.workgroups, "vocab": c.vocab_size}),
+        "sample": KernelRole("sample_top_k_top_p", (MAX_TOP_K,), ("logits", "out"), f"sample_top_k{MAX_TOP_K}",
+                             {"vocab": c.vocab_size}),
     }
     # GPUs' decode step: the qkv matmul with the norm folded in and RoPE + the K/V append as its epilogue
     roles["norm_qkv_rope_append_decode"] = MatmulSpec(
@@ -261,7 +337,3 @@ def head_spec(c: LlamaConfig, dtype: str, folded: bool = True) -> MatmulSpec:
     """The head (the final RMSNorm folded in on GPUs): q8, f32 logits and the argmax's partials."""
     return MatmulSpec(c.vocab_size, c.dim, dtype, "q8", norm_eps=c.rms_eps if folded else None, out_dtype="float32",
                       argmax_partials=True)
-
-
-def model_kernel_name(config_name: str, role: str, dtype: str) -> str:
-    return f"{config_name}_{role}_{DTYPE_TAGS[dtype]}"

@@ -23,8 +23,11 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """What a model's kernels are compiled for. Run values (how many tokens a context may hold)
-    are not part of it: they are model_glue.options.RunOptions."""
+    """A Llama-shaped model's sizes. Its kernels are compiled for a few of them only (the row
+    widths dim, ffn_dim and n_heads x head_dim, head_dim, the attention shape:
+    contract.kernels.llama_kernels names each kernel by them); the rest are the kernels' runtime
+    values. Run values (how many tokens a context may hold) are not part of it: they are
+    model_glue.options.RunOptions."""
 
     dim: int
     n_layers: int
@@ -60,14 +63,6 @@ class LlamaConfig:
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_kv_heads, self.n_heads, self.head_dim)
 
-    def kernel_fields(self) -> dict:
-        """What the kernels are compiled for: every field but the layer count and whether the head is
-        tied (the runtime loops over layers and binds the head's matrix), so a model with other values of
-        those runs on a contract config's kernels."""
-        values = self.to_dict()
-        del values["n_layers"], values["tied_embeddings"]
-        return values
-
 
 def rope_frequency_divisors(c: LlamaConfig) -> list[float]:
     """Per rotated pair i, what theta^(-2i/head_dim) is divided by: 1 without RoPE scaling; with Llama
@@ -95,9 +90,11 @@ MODEL_CONFIGS = {
                              vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),
 }
 # The shapes of widely run Llama-family models, served as kernels only (f16, SYNTHETIC_DTYPES: no CPU
-# rasterizer runs these sizes). A user's GGUF of one of these shapes runs on them whatever its layer count
-# (model_glue.gguf_model), and `?model=synthetic:NAME` fills random weights of the shape on the GPU
-# (model_glue.synthetic), so the seed's experiment runs as a whole model with nothing to download.
+# rasterizer runs these sizes). A user's GGUF runs on them wherever its widths, head_dim and attention
+# shape are one of these (its layer count, vocabulary, RoPE base and scaling, eps and head tying are
+# runtime values), and
+# `?model=synthetic:NAME` fills random weights of the shape on the GPU (model_glue.synthetic), so the
+# seed's experiment runs as a whole model with nothing to download.
 SYNTHETIC_CONFIGS = {
     "smollm2_360m": LlamaConfig(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, head_dim=64, ffn_dim=2560,
                                 vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),

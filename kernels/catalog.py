@@ -5,7 +5,9 @@ spec's, and the build fails unless the kernel declares exactly those buffers.
 The served artifact (`all_recipes`): decode attention for each shape the benchmark and the served
 models use, f16 for adapters with shader-f16 and f32 for the others (e.g. Chromium's SwiftShader):
 TVM's tiled nest and every layout of the sharded family (contract.attention.LAYOUTS), each over the whole context and split,
-plus the merge and the prefill kernel; and every served model's kernels. The tests' artifact
+plus the merge and the prefill kernel; and every served model's kernels, named by what they are
+compiled for (row widths, head_dim: contract.kernels.llama_kernels), so shapes that share a width
+share a kernel and the runtime gives the rest as values. The tests' artifact
 (`test_recipes`, `python -m app build --set tests`) holds what only the tests run: a grid of
 attention shapes and the tiny test model's kernels.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
 from contract.kernels import (TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec,
-                              llama_kernels, model_kernel_name)
+                              llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
                             SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
 from kernels import llama
@@ -155,10 +157,12 @@ def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
                             prefill_layout(shape.head_dim, dtype))
 
 
-def llama_recipes(config_name: str, c: LlamaConfig, dtype: str) -> list[KernelRecipe]:
-    """Every non-attention kernel of one model config; the runtime finds them by name."""
-    return [KernelRecipe(model_kernel_name(config_name, role, dtype), spec.builder, spec.args,
-                         {"kind": "llama", "model": config_name, "role": role, "dtype": dtype}, spec.buffers)
+def llama_recipes(c: LlamaConfig, dtype: str) -> list[KernelRecipe]:
+    """Every non-attention kernel of one model config, named by what it is compiled for
+    (contract.kernels.llama_kernels): configs that share a row width, a head_dim or a model width
+    share those kernels, and the runtime finds them by name."""
+    return [KernelRecipe(spec.name, spec.builder, spec.args, {"kind": "llama", "role": role, "dtype": dtype},
+                         spec.buffers)
             for role, spec in llama_kernels(c, dtype).items()]
 
 
@@ -173,11 +177,11 @@ def all_recipes() -> list[KernelRecipe]:
                 recipes.append(prefill_attention_recipe(shape, dtype))
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
-            recipes += llama_recipes(name, config, dtype)
+            recipes += llama_recipes(config, dtype)
     served_shapes = set(BENCH_SHAPES + MODEL_SHAPES)
     for name, config in SYNTHETIC_CONFIGS.items():
         for dtype in SYNTHETIC_DTYPES:
-            recipes += llama_recipes(name, config, dtype)
+            recipes += llama_recipes(config, dtype)
             if config.attention_shape not in served_shapes:  # Llama 3's 1B and 8B shapes are benchmark shapes
                 recipes += attention_recipes(config.attention_shape, dtype)
                 if config.head_dim <= 128:
@@ -304,14 +308,14 @@ def test_recipes() -> list[KernelRecipe]:
         for dtype in DTYPES:
             recipes += attention_recipes(config.attention_shape, dtype)
             recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
-            recipes += llama_recipes(name, config, dtype)
+            recipes += llama_recipes(config, dtype)
     # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills
     for name in TEST_SYNTHETIC_SHAPES:
         config = SYNTHETIC_CONFIGS[name]
         recipes += attention_recipes(config.attention_shape, "float16", layouts=("subgroup",),
                                      build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
         recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))
-        recipes += llama_recipes(name, config, "float16")
+        recipes += llama_recipes(config, "float16")
     recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}
     return list(unique.values())

@@ -6,12 +6,13 @@ Weights use the artifact's packing (convert/weights.py): a Q4 matrix W[out, in] 
 `scale` f32 [vocab, dim/32]. Activations are `dtype` (f16 where the adapter has shader-f16, f32
 otherwise); every sum accumulates in f32.
 
-Each builder takes the shape parameters (the matmul: its contract.kernels.MatmulSpec) and returns one PrimFunc; `n` (tokens) is symbolic.
+Each builder takes what the kernel is compiled for (the matmul: its contract.kernels.MatmulSpec) and
+returns one PrimFunc. Sizes that only set a grid or a loop's trip count are runtime values, so shapes
+share kernels: `n` (tokens), a matmul's `out_features`, the vocabulary, the FFN width, the head
+counts, and the scalars `eps` and RoPE's (contract.kernels.rope_values).
 """
 
 from __future__ import annotations
-
-import math
 
 from tvm.script import tirx as T
 
@@ -32,8 +33,9 @@ def _sign_extend_byte(word, k):
     return T.shift_right(T.shift_left(T.reinterpret("int32", word), 24 - 8 * k), 24)
 
 
-def embedding_q8(vocab: int, dim: int, dtype: str):
-    """out[i, :] = dequantized row ids[i] of the Q8 embedding. One workgroup per token."""
+def embedding_q8(dim: int, dtype: str):
+    """out[i, :] = dequantized row ids[i] of the Q8 embedding. One workgroup per token; the
+    vocabulary is a runtime size."""
     WORDS = dim // 4
     WORD_TRIPS = (WORDS + THREADS - 1) // THREADS
 
@@ -41,6 +43,7 @@ def embedding_q8(vocab: int, dim: int, dtype: str):
     def embedding(ids_h: T.handle, q8_h: T.handle, scale_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
+        vocab = T.int32()
         ids = T.match_buffer(ids_h, (n,), "int32")
         q8 = T.match_buffer(q8_h, (vocab, WORDS), "uint32")
         scale = T.match_buffer(scale_h, (vocab, dim // BLOCK), "float32")
@@ -62,14 +65,14 @@ def embedding_q8(vocab: int, dim: int, dtype: str):
     return embedding
 
 
-def rms_norm(dim: int, eps: float, dtype: str):
+def rms_norm(dim: int, dtype: str):
     """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row (CPU rasterizers only: GPUs
     fold the norm into the matmul that consumes it)."""
     TRIPS = (dim + THREADS - 1) // THREADS
     LEVELS = THREADS.bit_length() - 1
 
     @T.prim_func(s_tir=True)
-    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle):
+    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         x = T.match_buffer(x_h, (n, dim), dtype)
@@ -92,7 +95,7 @@ def rms_norm(dim: int, eps: float, dtype: str):
                         half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
                         if t < half:
                             partial[t] = partial[t] + partial[t + half]
-                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + T.float32(eps))
+                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + eps)
                     for trip in T.unroll(TRIPS):
                         if trip * THREADS + t < dim:
                             out[i, trip * THREADS + t] = T.Cast(
@@ -144,8 +147,9 @@ def quantized_matmul(spec: MatmulSpec):
     workgroup instead of one), so CPU rasterizers run rms_norm, the plain matmul and swiglu.
     """
     assert not spec.tiled
-    out_features, in_features, dtype, weight_format = spec.out_features, spec.in_features, spec.dtype, spec.weights
-    residual, norm_eps, swiglu, rope = spec.residual, spec.norm_eps, spec.swiglu, spec.rope_append
+    # out_features, norm_eps and the RoPE values are runtime values (contract.kernels.MatmulSpec.values)
+    in_features, dtype, weight_format = spec.in_features, spec.dtype, spec.weights
+    residual, normed, swiglu, rope = spec.residual, spec.norm_eps is not None, spec.swiglu, spec.rope_append
     rotates = rope is not None  # TVMScript's `if` takes a bool, not any object
     ROWS, LANES = MATMUL_ROWS, 32
     TOKENS = 1  # tokens per workgroup: decode passes and the head run one
@@ -157,16 +161,13 @@ def quantized_matmul(spec: MatmulSpec):
     assert WORDS % WORDS_PER_LOAD == 0 and BLOCK % CHUNK_VALUES == 0
     TRIPS = (CHUNKS + LANES - 1) // LANES  # a lane's loads along a row
     X_VECS = CHUNK_VALUES // 4  # x's (and the norm's) 4-wide vectors per chunk
-    OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
     COLUMNS_PER_GROUP = spec.columns_per_group  # y's columns per workgroup
     DOTS = ROWS_PER_THREAD * ROWS * TOKENS * LANES  # the lanes' partial dots, then (normed) row 0's x^2 sums
-    normed = norm_eps is not None
     out_dtype = spec.out_dtype or dtype
-    assert OUT_COLUMNS % COLUMNS_PER_GROUP == 0 and in_features % BLOCK == 0
+    assert in_features % BLOCK == 0
     # rope_append: q heads, then k heads, then v heads in the qkv columns; a page row per token
-    H, HKV, D = (rope.n_heads, rope.n_kv_heads, rope.head_dim) if rope else (1, 1, 2)
-    Q_COLUMNS, QK_COLUMNS = H * D, (H + HKV) * D
-    assert not rope or (OUT_COLUMNS == (H + 2 * HKV) * D and TOKENS == 1 and not swiglu and not residual)
+    D = rope.head_dim if rope else 2
+    assert not rope or (TOKENS == 1 and not swiglu and not residual)
     # split_head_dim: x[h * MD + i] from partial_o [n, MH, S, MD / 4] (f32x4) and partial_stats [n, MH, S, 2]
     merges = spec.split_head_dim is not None
     MD = spec.split_head_dim or 4
@@ -178,11 +179,14 @@ def quantized_matmul(spec: MatmulSpec):
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
 
-    def weight_row(rb, r, q):
+    def out_columns(out_features):  # y's width
+        return out_features // 2 if swiglu else out_features
+
+    def weight_row(rb, r, q, out_columns):
         # a thread's columns are rb * COLUMNS_PER_GROUP + c * ROWS + r; with swiglu q = 2c is
         # column c's gate row and q = 2c + 1 its up row
         if swiglu:
-            return (q % 2) * OUT_COLUMNS + rb * COLUMNS_PER_GROUP + (q // 2) * ROWS + r
+            return (q % 2) * out_columns + rb * COLUMNS_PER_GROUP + (q // 2) * ROWS + r
         return rb * COLUMNS_PER_GROUP + q * ROWS + r
 
     def dot_row(c):  # the row (q) whose dot makes column c of the thread
@@ -202,14 +206,16 @@ def quantized_matmul(spec: MatmulSpec):
         return T.Cast("float32", _sign_extend_byte(word, k)) * s
 
     @T.macro
-    def rope_epilogue(total, column, position, slot_index, pages, q_out):
+    def rope_epilogue(total, column, position, slot_index, pages, q_out, q_heads, kv_heads, rope_exponent,
+                      rope_inv_factor, rope_ratio, rope_low, rope_span):
         # total[0] is this column's value, total[2] its pair's: rotate (q, k), then store (q, k, v)
         page: T.let[T.int32] = slot_index // PAGE_SIZE
         slot: T.let[T.int32] = slot_index % PAGE_SIZE
         head: T.let[T.int32] = column // D
         i: T.let[T.int32] = column % D
-        if column < QK_COLUMNS:
-            angle: T.let[T.float32] = T.Cast("float32", position) * rope_inv_freq(i // 2, D, rope.theta, rope.scaling)
+        if column < (q_heads + kv_heads) * D:
+            angle: T.let[T.float32] = T.Cast("float32", position) * rope_inv_freq(
+                i // 2, rope_exponent, rope_inv_factor, rope_ratio, rope_low, rope_span)
             c: T.let[T.float32] = T.cos(angle)
             sn: T.let[T.float32] = T.sin(angle)
             # the even column of a pair is x0, the odd x1: (x0 c - x1 s, x0 s + x1 c)
@@ -217,21 +223,26 @@ def quantized_matmul(spec: MatmulSpec):
                 total[3] = total[0] * c - total[2] * sn
             else:
                 total[3] = total[2] * sn + total[0] * c
-            if column < Q_COLUMNS:
+            if column < q_heads * D:
                 q_out[0, head, i] = T.Cast(dtype, total[3])
             else:
-                pages[page, 0, head - H, slot, i] = T.Cast(dtype, total[3])
+                pages[page, 0, head - q_heads, slot, i] = T.Cast(dtype, total[3])
         else:
-            pages[page, 1, (column - QK_COLUMNS) // D, slot, i] = T.Cast(dtype, total[0])
+            pages[page, 1, (column - (q_heads + kv_heads) * D) // D, slot, i] = T.Cast(dtype, total[0])
 
     @T.prim_func(s_tir=True)
     def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle,
                scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle, positions_h: T.handle,
-               slots_h: T.handle, pages_h: T.handle, q_h: T.handle, best_h: T.handle):
+               slots_h: T.handle, pages_h: T.handle, q_h: T.handle, best_h: T.handle, eps: T.float32,
+               rope_exponent: T.float32, rope_inv_factor: T.float32, rope_ratio: T.float32, rope_low: T.float32,
+               rope_span: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
+        out_features = T.int32()  # W's rows (gate and up rows with swiglu)
         num_pages = T.int32()
         num_splits = T.int32()
+        q_heads = T.int32()
+        kv_heads = T.int32()
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
@@ -239,14 +250,14 @@ def quantized_matmul(spec: MatmulSpec):
         w = T.match_buffer(w_h, (out_features, CHUNKS), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, WORDS]
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
         wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
-        resid = T.match_buffer(resid_h, (n, OUT_COLUMNS), out_dtype)
-        y = T.match_buffer(y_h, (n, OUT_COLUMNS), out_dtype)
+        resid = T.match_buffer(resid_h, (n, out_columns(out_features)), out_dtype)
+        y = T.match_buffer(y_h, (n, out_columns(out_features)), out_dtype)
         positions = T.match_buffer(positions_h, (n,), "int32")
         slots = T.match_buffer(slots_h, (n,), "int32")
-        pages = T.match_buffer(pages_h, (num_pages, 2, HKV, PAGE_SIZE, D), dtype)
-        q = T.match_buffer(q_h, (n, H, D), dtype)
-        best = T.match_buffer(best_h, (OUT_COLUMNS // COLUMNS_PER_GROUP, 2), "float32")
-        for rb in T.thread_binding(OUT_COLUMNS // COLUMNS_PER_GROUP, thread="blockIdx.x"):
+        pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, PAGE_SIZE, D), dtype)
+        q = T.match_buffer(q_h, (n, q_heads, D), dtype)
+        best = T.match_buffer(best_h, (out_columns(out_features) // COLUMNS_PER_GROUP, 2), "float32")
+        for rb in T.thread_binding(out_columns(out_features) // COLUMNS_PER_GROUP, thread="blockIdx.x"):
             for tb in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
                 for r in T.thread_binding(ROWS, thread="threadIdx.y"):
                     for lane in T.thread_binding(LANES, thread="threadIdx.x"):
@@ -299,9 +310,9 @@ def quantized_matmul(spec: MatmulSpec):
                                 if wi < CHUNKS:
                                     blk: T.let[T.int32] = wi * CHUNK_VALUES // BLOCK
                                     for p in T.unroll(ROWS_PER_THREAD):
-                                        word[p] = w[weight_row(rb, r, p), wi]
-                                        ws[p] = scale[weight_row(rb, r, p), blk]
-                                        wm[p] = T.if_then_else(weight_format == "q4", wmin[weight_row(rb, r, p), blk],
+                                        word[p] = w[weight_row(rb, r, p, out_columns(out_features)), wi]
+                                        ws[p] = scale[weight_row(rb, r, p, out_columns(out_features)), blk]
+                                        wm[p] = T.if_then_else(weight_format == "q4", wmin[weight_row(rb, r, p, out_columns(out_features)), blk],
                                                                T.float32(0))
                                     for j in T.unroll(TOKENS):
                                         if tok0 + j < n:
@@ -344,7 +355,7 @@ def quantized_matmul(spec: MatmulSpec):
                                                 total[2] = total[2] + partial[
                                                     ((p * ROWS + T.bitwise_xor(r, 1)) * TOKENS + lane) * LANES + l]
                                         if normed:
-                                            inv_rms: T.let[T.float32] = T.rsqrt(total[1] / T.float32(in_features) + T.float32(norm_eps or 0))
+                                            inv_rms: T.let[T.float32] = T.rsqrt(total[1] / T.float32(in_features) + eps)
                                             total[0] = total[0] * inv_rms
                                             total[2] = total[2] * inv_rms
                                         if swiglu:
@@ -353,7 +364,9 @@ def quantized_matmul(spec: MatmulSpec):
                                         if residual:
                                             total[0] = total[0] + T.Cast("float32", resid[tok0 + lane, column])
                                         if rotates:
-                                            rope_epilogue(total, column, positions[tok0], slots[tok0], pages, q)
+                                            rope_epilogue(total, column, positions[tok0], slots[tok0], pages, q,
+                                                          q_heads, kv_heads, rope_exponent, rope_inv_factor,
+                                                          rope_ratio, rope_low, rope_span)
                                         else:
                                             y[tok0 + lane, column] = T.Cast(out_dtype, total[0])
                                         if spec.argmax_partials:
@@ -363,9 +376,9 @@ def quantized_matmul(spec: MatmulSpec):
                                 if r == 0:
                                     if lane == 0:
                                         # columns in increasing order: '>' keeps the lowest index of a
-                                        # tie; no number above the start (all NaN): index OUT_COLUMNS
+                                        # tie; no number above the start (all NaN): index out_columns(out_features)
                                         total[0] = T.float32(-3.0e38)
-                                        total[1] = T.float32(OUT_COLUMNS)
+                                        total[1] = T.Cast("float32", out_columns(out_features))
                                         for c in T.serial(COLUMNS_PER_GROUP):
                                             total[2] = column_best[c]  # (a shared read cannot sit in a condition)
                                             total[3] = column_best[COLUMNS_PER_GROUP + c]
@@ -378,24 +391,20 @@ def quantized_matmul(spec: MatmulSpec):
     return matmul
 
 
-def rope_inv_freq(pair, head_dim: int, theta: float, scaling: tuple | None):
-    """The rotation frequency of adjacent pair `pair` of a head, f32: theta^(-2 pair / D), with Llama
-    3's scaling (factor, low, high, original context) where given: (1 - s) / factor + s times it,
-    s = clamp((original / wavelength - low) / (high - low), 0, 1)
-    (contract.model.rope_frequency_divisors)."""
-    inv_freq = T.exp2(T.Cast("float32", 2 * pair) * T.float32(-math.log2(theta) / head_dim))
-    if scaling is None:
-        return inv_freq
-    factor, low, high, original = scaling
-    ratio_per_inv_freq = original / (2 * math.pi)  # original context / wavelength, per unit of frequency
-    smooth = T.min(T.max((inv_freq * T.float32(ratio_per_inv_freq) - T.float32(low)) / T.float32(high - low),
-                         T.float32(0)), T.float32(1))
-    return inv_freq * ((T.float32(1) - smooth) * T.float32(1 / factor) + smooth)
+def rope_inv_freq(pair, exponent, inv_factor, ratio, low, span):
+    """The rotation frequency of adjacent pair `pair` of a head, f32, from the runtime values of
+    contract.kernels.rope_values: theta^(-2 pair / D) = exp2(2 pair * exponent), then Llama 3's
+    scaling, (1 - s) * inv_factor + s times it, s = clamp((ratio * inv_freq - low) / span, 0, 1) with
+    ratio = original context / (2 pi) and span = high - low (contract.model.rope_frequency_divisors).
+    Without scaling the values make s = 1, so the frequency is multiplied by exactly 1."""
+    inv_freq = T.exp2(T.Cast("float32", 2 * pair) * exponent)
+    smooth = T.min(T.max((inv_freq * ratio - low) / span, T.float32(0)), T.float32(1))
+    return inv_freq * ((T.float32(1) - smooth) * inv_factor + smooth)
 
 
-def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, dtype: str,
-                    rope_scaling: tuple | None = None, page_size: int = PAGE_SIZE):
+def rope_and_append(head_dim: int, dtype: str, page_size: int = PAGE_SIZE):
     """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
+    The head counts and RoPE's base and scaling are runtime values (contract.kernels.rope_values).
 
     qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].
     GGUFs permute their Q/K weights for adjacent pairs (x[2i], x[2i+1]). With Llama 3's
@@ -403,23 +412,22 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
     (1 - s) / factor + s, s = clamp((original / wavelength - low) / (high - low), 0, 1)
     (contract.model.rope_frequency_divisors).
     """
-    H, HKV, D = n_heads, n_kv_heads, head_dim
-    PAIRS = (H + HKV) * D // 2  # rotated pairs per token (q heads, then k heads)
-    V_ELEMS = HKV * D
-    ROPE_TRIPS = (PAIRS + THREADS - 1) // THREADS
-    V_TRIPS = (V_ELEMS + THREADS - 1) // THREADS
-    QKV = (H + 2 * HKV) * D
+    D = head_dim
 
     @T.prim_func(s_tir=True)
-    def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle):
+    def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle,
+                    rope_exponent: T.float32, rope_inv_factor: T.float32, rope_ratio: T.float32,
+                    rope_low: T.float32, rope_span: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         num_pages = T.int32()
-        qkv = T.match_buffer(qkv_h, (n, QKV), dtype)
+        q_heads = T.int32()
+        kv_heads = T.int32()
+        pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, page_size, D), dtype)
+        q = T.match_buffer(q_h, (n, q_heads, D), dtype)
+        qkv = T.match_buffer(qkv_h, (n, (q_heads + 2 * kv_heads) * D), dtype)
         positions = T.match_buffer(positions_h, (n,), "int32")
         slots = T.match_buffer(slots_h, (n,), "int32")
-        pages = T.match_buffer(pages_h, (num_pages, 2, HKV, page_size, D), dtype)
-        q = T.match_buffer(q_h, (n, H, D), dtype)
         for i in T.thread_binding(n, thread="blockIdx.x"):
             for t in T.thread_binding(THREADS, thread="threadIdx.x"):
                 with T.sblock("rope_append"):
@@ -427,41 +435,43 @@ def rope_and_append(n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: fl
                     T.writes()
                     page: T.let[T.int32] = slots[i] // page_size
                     slot: T.let[T.int32] = slots[i] % page_size
-                    for trip in T.serial(ROPE_TRIPS):
+                    for trip in T.serial(T.ceildiv((q_heads + kv_heads) * (D // 2), THREADS)):
                         p: T.let[T.int32] = trip * THREADS + t
-                        if p < PAIRS:
+                        if p < (q_heads + kv_heads) * (D // 2):  # rotated pairs: q heads, then k heads
                             head: T.let[T.int32] = p // (D // 2)
                             pair: T.let[T.int32] = p % (D // 2)
                             x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
                             x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
-                            inv_freq: T.let[T.float32] = rope_inv_freq(pair, D, rope_theta, rope_scaling)
+                            inv_freq: T.let[T.float32] = rope_inv_freq(pair, rope_exponent, rope_inv_factor, rope_ratio,
+                                                                       rope_low, rope_span)
                             angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
                             c: T.let[T.float32] = T.cos(angle)
                             sn: T.let[T.float32] = T.sin(angle)
-                            if head < H:
+                            if head < q_heads:
                                 q[i, head, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
                                 q[i, head, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
                             else:
-                                pages[page, 0, head - H, slot, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
-                                pages[page, 0, head - H, slot, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
-                    for trip in T.serial(V_TRIPS):
+                                pages[page, 0, head - q_heads, slot, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
+                                pages[page, 0, head - q_heads, slot, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
+                    for trip in T.serial(T.ceildiv(kv_heads * D, THREADS)):
                         e: T.let[T.int32] = trip * THREADS + t
-                        if e < V_ELEMS:
-                            pages[page, 1, e // D, slot, e % D] = qkv[i, (H + HKV) * D + e]
+                        if e < kv_heads * D:
+                            pages[page, 1, e // D, slot, e % D] = qkv[i, (q_heads + kv_heads) * D + e]
 
     return rope_append
 
 
-def swiglu(ffn_dim: int, dtype: str):
+def swiglu(dtype: str):
     """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j] (CPU rasterizers only: GPUs fold it into
-    the gate/up matmul's epilogue)."""
+    the gate/up matmul's epilogue); the FFN width is a runtime size."""
 
     @T.prim_func(s_tir=True)
     def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
-        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
+        ffn_dim = T.int32()
         h = T.match_buffer(h_h, (n, ffn_dim), dtype)
+        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
         for jb in T.thread_binding(T.ceildiv(ffn_dim, THREADS), thread="blockIdx.x"):
             for i in T.thread_binding(n, thread="blockIdx.y"):
                 for t in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -501,19 +511,20 @@ def _best_pair_tree():
     return best_pair_tree
 
 
-def argmax_partials(groups: int, vocab: int):
+def argmax_partials():
     """out[0] = the index of the largest logit, from the head's `groups` workgroup bests
     (quantized_matmul with argmax_partials: best[g] = (value, index), the lowest index of a tie
     within the group). Groups in column order, so '>' and the tree's tie rule keep numpy's argmax:
     the lowest index of the largest value. Reading the pairs (one per 8-32 logits), not every
     logit, is what makes this dispatch short. Logits with no number above -3e38 (an f16
-    overflow's NaNs) give `vocab`, past every real id (the text shows it as "<id N>")."""
-    TRIPS = (groups + THREADS - 1) // THREADS
+    overflow's NaNs) give `vocab`, past every real id (the text shows it as "<id N>"). Both sizes
+    are runtime values."""
     best_pair_tree = _best_pair_tree()
 
     @T.prim_func(s_tir=True)
-    def argmax_kernel(best_h: T.handle, out_h: T.handle):
+    def argmax_kernel(best_h: T.handle, out_h: T.handle, vocab: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
+        groups = T.int32()
         best = T.match_buffer(best_h, (groups, 2), "float32")
         out = T.match_buffer(out_h, (1,), "int32")
         for g in T.thread_binding(1, thread="blockIdx.x"):
@@ -526,8 +537,8 @@ def argmax_partials(groups: int, vocab: int):
                     pairs = T.sblock_alloc_buffer((2 * THREADS,), "float32", scope="shared")
                     val = T.sblock_alloc_buffer((4,), "float32", scope="local")
                     val[0] = T.float32(-3.0e38)
-                    val[1] = T.float32(vocab)
-                    for trip in T.serial(TRIPS):
+                    val[1] = T.Cast("float32", vocab)
+                    for trip in T.serial(T.ceildiv(groups, THREADS)):
                         k: T.let[T.int32] = trip * THREADS + t  # increasing, so '>' keeps the first max
                         if k < groups:
                             if best[k, 0] > val[0]:
@@ -542,7 +553,7 @@ def argmax_partials(groups: int, vocab: int):
     return argmax_kernel
 
 
-def sample_top_k_top_p(vocab: int, max_top_k: int):
+def sample_top_k_top_p(max_top_k: int):
     """out[0] = a token drawn from the logits, filtered by top-k then top-p, at a temperature.
 
     One workgroup. Round r finds the r-th largest logit as the largest (value, index) pair that
@@ -551,17 +562,17 @@ def sample_top_k_top_p(vocab: int, max_top_k: int):
     keeps the shortest prefix whose mass reaches top_p of the total (at least one), and picks
     the first candidate whose running mass exceeds `draw` (uniform in [0, 1)) times the kept mass.
     Only the id leaves the GPU; the host makes `draw` with its seeded generator.
-    Requires 1 <= top_k <= max_top_k and temperature > 0 (greedy decoding is `argmax`).
+    Requires 1 <= top_k <= max_top_k and temperature > 0 (greedy decoding is `argmax`). The
+    vocabulary is a runtime size.
     """
-    TRIPS = (vocab + THREADS - 1) // THREADS
     best_pair_tree = _best_pair_tree()
-    NO_INDEX = float(vocab)  # ranks after every real index
     LOWEST = -3.0e38
 
     @T.prim_func(s_tir=True)
     def sample_kernel(logits_h: T.handle, out_h: T.handle, top_k: T.int32, temperature: T.float32,
                       top_p: T.float32, draw: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
+        vocab = T.int32()
         logits = T.match_buffer(logits_h, (1, vocab), "float32")
         out = T.match_buffer(out_h, (1,), "int32")
         for g in T.thread_binding(1, thread="blockIdx.x"):
@@ -581,8 +592,8 @@ def sample_top_k_top_p(vocab: int, max_top_k: int):
                     val[3] = T.float32(-1)
                     for r in T.serial(top_k):
                         val[0] = T.float32(LOWEST)
-                        val[1] = T.float32(NO_INDEX)
-                        for trip in T.serial(TRIPS):
+                        val[1] = T.Cast("float32", vocab)  # no index: ranks after every real one
+                        for trip in T.serial(T.ceildiv(vocab, THREADS)):
                             k: T.let[T.int32] = trip * THREADS + t  # increasing: '>' keeps the first
                             if k < vocab:
                                 v: T.let[T.float32] = logits[0, k]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from contract.kernels import MatmulSpec
+from contract.kernels import PREFILL_TILE_ROWS, MatmulSpec
 from kernels.llama import BLOCK
 from kernels.paged_kv import VEC
 
@@ -44,20 +44,23 @@ W_TASKS = ROW_QUADS * WORDS_PER_STEP  # (row quad, word) loads of the W tile
 
 
 def quantized_matmul_tiled(spec: MatmulSpec):
-    """The tiled q4 matmul PrimFunc of `spec` (see the module docstring); `n` (tokens) is symbolic."""
+    """The tiled q4 matmul PrimFunc of `spec` (see the module docstring). `n` (tokens), `out_features`
+    (W's rows, a multiple of ROWS) and `eps` are runtime values (contract.kernels.MatmulSpec.values)."""
     assert spec.tiled and spec.weights == "q4" and spec.out_dtype in (None, spec.dtype)
-    out_features, in_features, dtype = spec.out_features, spec.in_features, spec.dtype
-    residual, norm_eps, swiglu = spec.residual, spec.norm_eps, spec.swiglu
-    OUT_COLUMNS = out_features // 2 if swiglu else out_features  # y's width
+    assert ROWS == PREFILL_TILE_ROWS
+    in_features, dtype = spec.in_features, spec.dtype
+    residual, normed, swiglu = spec.residual, spec.norm_eps is not None, spec.swiglu
     COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
     STEPS = in_features // K_STEP
     WORDS = in_features // 8
-    normed = norm_eps is not None
     VEC_DTYPE = f"{dtype}x{VEC}"
-    assert out_features % ROWS == 0 and in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
+    assert in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
     assert THREADS == TOKEN_QUADS * HALF_QUADS
 
-    def weight_row(tile, local_row):
+    def out_columns(out_features):  # y's width
+        return out_features // 2 if swiglu else out_features
+
+    def weight_row(tile, local_row, OUT_COLUMNS):
         """The W row of a tile row: with swiglu, rows 0-31 are gate rows and 32-63 the up rows."""
         if swiglu:
             return T.if_then_else(local_row < COLUMNS_PER_TILE, tile * COLUMNS_PER_TILE + local_row,
@@ -69,17 +72,18 @@ def quantized_matmul_tiled(spec: MatmulSpec):
 
     @T.prim_func(s_tir=True)
     def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
-               resid_h: T.handle, y_h: T.handle):
+               resid_h: T.handle, y_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
+        out_features = T.int32()
         x = T.match_buffer(x_h, (n, in_features // VEC), VEC_DTYPE)  # same bytes as [n, in]
         norm = T.match_buffer(norm_h, (in_features,), "float32")
         w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
         scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
         wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
-        resid = T.match_buffer(resid_h, (n, OUT_COLUMNS // VEC), VEC_DTYPE)
-        y = T.match_buffer(y_h, (n, OUT_COLUMNS // VEC), VEC_DTYPE)
-        for tile in T.thread_binding(OUT_COLUMNS // COLUMNS_PER_TILE, thread="blockIdx.x"):
+        resid = T.match_buffer(resid_h, (n, out_columns(out_features) // VEC), VEC_DTYPE)
+        y = T.match_buffer(y_h, (n, out_columns(out_features) // VEC), VEC_DTYPE)
+        for tile in T.thread_binding(out_columns(out_features) // COLUMNS_PER_TILE, thread="blockIdx.x"):
             for token_tile in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
                 for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                     with T.sblock("matmul_tiled"):
@@ -119,7 +123,7 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                                 word_in_step: T.let[T.int32] = (tid - X_TASKS) % WORDS_PER_STEP
                                 word_index: T.let[T.int32] = k0 // 8 + word_in_step
                                 for i in T.unroll(VEC):
-                                    row: T.let[T.int32] = weight_row(tile, wq * VEC + i)
+                                    row: T.let[T.int32] = weight_row(tile, wq * VEC + i, out_columns(out_features))
                                     words[i] = w[row, word_index]
                                     scale_min[i] = scale[row, k0 // BLOCK]
                                     scale_min[VEC + i] = wmin[row, k0 // BLOCK]
@@ -146,7 +150,7 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                             token: T.let[T.int32] = tok0 + tq * VEC + i
                             if token < n:
                                 inv_rms: T.let[T.float32] = T.rsqrt(T.Shuffle([squares[0]], [i]) / T.float32(in_features)
-                                                                    + T.float32(norm_eps or 0)) if normed else T.float32(1)
+                                                                    + eps) if normed else T.float32(1)
                                 result[0] = acc[i * 2] * T.Broadcast(inv_rms, VEC)
                                 result[1] = acc[i * 2 + 1] * T.Broadcast(inv_rms, VEC)
                                 if swiglu:  # gate columns in result[0], their up rows in result[1]

@@ -126,15 +126,22 @@ def pass_attention_kernels(m, choice: AttentionChoice) -> list:
     return kernels[:-1] if m.o_merges(choice) else kernels
 
 
+def role_values(m, role: str, **pass_values) -> dict:
+    """The values a model kernel runs with: the model's sizes it is not compiled for (its spec's
+    `values`: row counts, vocabulary, eps, RoPE's) and the pass's (`n`, ...)."""
+    return {**m.kernel_values[role], **pass_values}
+
+
 def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> list:
     """(kernel, values) of each kernel of a decode pass whose values change per step: attention
     (the context grows), the merging o-projection (S may change) and the sampler (a new draw)."""
     buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
     pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, choice), buffers, values)]
     if m.o_merges(choice):
-        pairs.append((m.kernels["o_residual_merge_decode"], o_merge_values(choice)))
+        pairs.append((m.kernels["o_residual_merge_decode"], role_values(m, "o_residual_merge_decode",
+                                                                        **o_merge_values(choice))))
     if sampling is not None and not sampling.greedy:
-        pairs.append((m.kernels["sample"], sampling.kernel_values(draw)))
+        pairs.append((m.kernels["sample"], role_values(m, "sample", **sampling.kernel_values(draw))))
     return pairs
 
 
@@ -156,8 +163,8 @@ def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=N
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid
-    enc.run(m.kernels[f"{role}_{'decode' if n == 1 else 'prefill'}"], buffers, {"n": n, **(values or {})},
-            per_step=per_step)
+    role = f"{role}_{'decode' if n == 1 else 'prefill'}"
+    enc.run(m.kernels[role], buffers, role_values(m, role, **{"n": n, **(values or {})}), per_step=per_step)
 
 
 def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> None:
@@ -166,7 +173,7 @@ def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> N
         _matmul(m, enc, f"norm_{role}", n, weight, x, y, norm=norm)
     else:
         normed = m.buffers["normed"]
-        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed}, {"n": n})
+        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed}, role_values(m, "rms_norm", n=n))
         _matmul(m, enc, role, n, weight, normed, y)
 
 
@@ -177,7 +184,7 @@ def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str) -> None:
     else:
         gate_up = m.buffers["gate_up"]
         _normed_matmul(m, enc, "gate_up", n, weight, x, gate_up, norm)
-        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, {"n": n})
+        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, role_values(m, "swiglu", n=n))
 
 
 def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pages: int, sampling,
@@ -197,7 +204,7 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
     with enc.timed(stamps.pass_begin, None):
         # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
         enc.run(k["embed"], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
-                             "scale": w["embed.scale"], "out": x}, {"n": n})
+                             "scale": w["embed.scale"], "out": x}, role_values(m, "embed", n=n))
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
@@ -208,7 +215,8 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
                     values={"num_pages": m.kv.num_pages})
         else:
             _normed_matmul(m, enc, "qkv", n, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
-            enc.run(k["rope_append"], {"qkv": buf["qkv"], **rope_io}, {"n": n, "num_pages": m.kv.num_pages})
+            enc.run(k["rope_append"], {"qkv": buf["qkv"], **rope_io},
+                    role_values(m, "rope_append", n=n, num_pages=m.kv.num_pages))
         attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
@@ -231,12 +239,13 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
             "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
         if m.run.fold_norms:
-            enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, {"n": 1})
+            enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, role_values(m, "norm_lm_head", n=1))
         else:
-            enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]}, {"n": 1})
-            enc.run(k["lm_head"], {"x": buf["normed"], **head}, {"n": 1})
+            enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]},
+                    role_values(m, "rms_norm", n=1))
+            enc.run(k["lm_head"], {"x": buf["normed"], **head}, role_values(m, "lm_head", n=1))
         if sampling is None or sampling.greedy:
-            enc.run(k["argmax"], {"best": buf["head_best"], "out": buf["next_id"]}, {})
+            enc.run(k["argmax"], {"best": buf["head_best"], "out": buf["next_id"]}, role_values(m, "argmax"))
         else:  # the draw changes every step
-            enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]}, sampling.kernel_values(draw),
-                    per_step=True)
+            enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]},
+                    role_values(m, "sample", **sampling.kernel_values(draw)), per_step=True)

@@ -3,8 +3,9 @@ runtime's model (contract.model).
 
 - `llama_config(header)`: the config from the metadata (dims, heads, RoPE base, Llama 3's RoPE
   scaling from the rope_freqs tensor, a tied or separate output head);
-- `kernel_config_name(config)`: the contract config whose kernels run it (every field but the layer
-  count and the head's tying must match), or a ModelError naming the nearest shape and what differs;
+- `with_rope_scaling(config, divisors)`: Llama 3's RoPE scaling read from the file's rope_freqs tensor;
+  `shape_name(config)`: the contract shape it runs as (the loader checks that its kernels exist:
+  model_glue.loading.model_kernel_specs);
 - `tensor_plan(header, config)`: for every runtime tensor (contract.model.model_tensors), the GGUF
   tensors it is made of and how (repacked to Q4 or Q8, or copied as f32), checked before any upload.
 
@@ -14,7 +15,7 @@ Pure Python (the page runs it in Pyodide, without numpy).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contract.gguf import ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata
 from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, model_tensors, rope_frequency_divisors
@@ -27,7 +28,7 @@ ROPE_FREQS_RTOL = 1e-4  # the file's f32 divisors against the contract's formula
 
 def llama_config(header: GGUFHeader) -> LlamaConfig:
     """The file's model config (contract.gguf.llama_config_from_metadata), without RoPE scaling: a
-    file's rope_freqs tensor is matched against the contract's scaled configs in `kernel_config_name`."""
+    file's rope_freqs tensor is matched against the known scalings in `with_rope_scaling`."""
     embedding = header.tensors.get("token_embd.weight")
     try:
         return llama_config_from_metadata(header.metadata, has_output_head="output.weight" in header.tensors,
@@ -36,31 +37,37 @@ def llama_config(header: GGUFHeader) -> LlamaConfig:
         raise ModelError(str(err)) from err
 
 
+# Llama 3's RoPE scaling comes as a rope_freqs tensor (the divisors, not the parameters): a file's is
+# matched against the scalings of the contract's configs, applied to the file's head_dim and base.
+KNOWN_ROPE_SCALINGS = sorted({c.rope_scaling for c in ALL_MODEL_CONFIGS.values() if c.rope_scaling is not None})
+
+
 def _same_divisors(config: LlamaConfig, divisors: list[float]) -> bool:
     want = rope_frequency_divisors(config)
     return len(want) == len(divisors) and all(abs(a - b) <= ROPE_FREQS_RTOL * abs(a) for a, b in zip(want, divisors))
 
 
-def kernel_config_name(config: LlamaConfig, rope_divisors: list[float] | None = None) -> tuple[str, LlamaConfig]:
-    """(contract config name, the file's config with that config's RoPE scaling) for a file whose shape
-    has kernels here; otherwise a ModelError naming the nearest built shape and the fields that differ.
-    `rope_divisors` are the file's rope_freqs values, where it has them: they must be the scaling of
-    the contract's config (contract.model.rope_frequency_divisors)."""
-    best, best_diff = None, None
+def with_rope_scaling(config: LlamaConfig, rope_divisors: list[float] | None) -> LlamaConfig:
+    """The file's config with the RoPE scaling its rope_freqs values (`rope_divisors`, None without
+    the tensor) hold, or a ModelError if they are no known scaling (contract.model.rope_frequency_divisors)."""
+    if rope_divisors is None:
+        return config
+    for scaling in KNOWN_ROPE_SCALINGS:
+        scaled = replace(config, rope_scaling=scaling)
+        if _same_divisors(scaled, rope_divisors):
+            return scaled
+    known = "; ".join(f"factor {f:g}, low {lo:g}, high {hi:g}, original context {o}" for f, lo, hi, o in KNOWN_ROPE_SCALINGS)
+    raise ModelError(f"the file's {ROPE_FREQS} tensor is not Llama 3's RoPE scaling with known parameters ({known})")
+
+
+def shape_name(config: LlamaConfig) -> str:
+    """The contract shape a config runs as (display only: the kernels are found by their own names):
+    the config of the same widths, heads and head_dim, else a description of the shape."""
+    fields = ("dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim")
     for name, contract in ALL_MODEL_CONFIGS.items():
-        theirs = contract.kernel_fields()
-        diff = [k for k, v in config.kernel_fields().items() if k != "rope_scaling" and theirs[k] != v]
-        if rope_divisors is None and contract.rope_scaling is not None:
-            diff.append("RoPE scaling (the file has no rope_freqs tensor)")
-        elif rope_divisors is not None and (contract.rope_scaling is None or not _same_divisors(contract, rope_divisors)):
-            diff.append("RoPE scaling (the file's rope_freqs)")
-        if not diff:
-            return name, LlamaConfig(**{**config.to_dict(), "rope_scaling": contract.rope_scaling})
-        if best_diff is None or len(diff) < len(best_diff):
-            best, best_diff = name, diff
-    shape = ", ".join(f"{k} {v}" for k, v in config.kernel_fields().items() if k != "rope_scaling")
-    raise ModelError(f"no kernels for this model's shape ({shape}): the nearest built shape, {best}, differs in "
-                     f"{', '.join(best_diff)} (shapes with kernels: {', '.join(sorted(ALL_MODEL_CONFIGS))})")
+        if all(getattr(contract, f) == getattr(config, f) for f in fields):
+            return name
+    return f"llama_d{config.dim}_f{config.ffn_dim}_h{config.n_heads}x{config.head_dim}_kv{config.n_kv_heads}"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import llama_kernels, model_kernel_name
+from contract.kernels import llama_kernels
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
@@ -23,7 +23,7 @@ from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
 from model_glue.scratch import scratch_sizes
 from model_glue.gguf_file import GGUFError, read_header
-from model_glue.gguf_model import (ROPE_FREQS, kernel_config_name, llama_config, parse_f32, tensor_plan,
+from model_glue.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan, with_rope_scaling,
                                    context_length as gguf_context_length)
 from model_glue.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
@@ -102,7 +102,7 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
         header = header or await read_header(read, file_size)
     except GGUFError as err:
         raise ModelError(str(err)) from err
-    config_name, config = await gguf_kernel_config(header, read)
+    config_name, config = await gguf_config(header, read)
     plan = tensor_plan(header, config)
     loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
                      {t.name: t.nbytes for t in model_tensors(config)})
@@ -110,16 +110,17 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
     return await loader.finish(weights, progress)
 
 
-async def gguf_kernel_config(header, read) -> tuple[str, LlamaConfig]:
-    """(contract config name, config) of a GGUF whose shape has kernels here (its rope_freqs, where it
-    has them, read through `read`), else a ModelError naming the nearest shape."""
+async def gguf_config(header, read) -> tuple[str, LlamaConfig]:
+    """(shape name, config) of a GGUF, with the RoPE scaling of its rope_freqs tensor where it has
+    one (read through `read`). Whether kernels run it is the loader's check (`model_kernel_specs`)."""
     divisors = None
     if ROPE_FREQS in header.tensors:
         freqs = header.tensors[ROPE_FREQS]
         if freqs.type_name != "F32":
             raise ModelError(f"{ROPE_FREQS} is {freqs.type_name}; expected F32")
         divisors = parse_f32(bytes(await read(freqs.offset, freqs.nbytes)))
-    return kernel_config_name(llama_config(header), divisors)
+    config = with_rope_scaling(llama_config(header), divisors)
+    return shape_name(config), config
 
 
 class _Loader:
@@ -131,13 +132,10 @@ class _Loader:
         self.device, self.library, self.config_name, self.config = device, library, config_name, config
         self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
         self.dtype = dtype or ("float16" if device.has_f16 else "float32")
-        if config_name in SYNTHETIC_CONFIGS and self.dtype not in SYNTHETIC_DTYPES:
-            raise ModelError(f"the {config_name} shape's kernels are built for {', '.join(SYNTHETIC_DTYPES)} only, "
-                             f"and this adapter ({device.adapter_name}) has no shader-f16")
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
-        self.names = _kernel_names(library, config_name, config, self.dtype)
-        self.attention = _attention_kernels(library, config, self.dtype, device)
+        self.specs, self.attention = runnable_kernels(library, config, self.dtype, device)
+        self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]
         _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
             "the largest weight tensor": max(tensor_bytes.values()),
@@ -150,7 +148,7 @@ class _Loader:
         progress("compiling kernels")
         options = self.options
         model = LlamaModel(self.device, self.library, self.config, self.config_name, self.dtype, weights,
-                           self.names, self.attention, options)
+                           self.specs, self.attention, options)
         await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
         if options.warm_up:
             progress("binding the passes")
@@ -182,26 +180,54 @@ async def warm_up(model: LlamaModel) -> None:
 
 
 def _checked_config(config_name: str | None, values: dict) -> LlamaConfig:
-    """The artifact's config, whose kernel fields must be the contract's config of that name (the
-    kernels' shapes; its layer count and head tying may differ, as a GGUF's may: LlamaConfig.kernel_fields)."""
-    if config_name not in ALL_MODEL_CONFIGS:
-        raise ModelError(f"the model artifact is for config {config_name!r}, which has no kernels here "
-                         f"(known: {sorted(ALL_MODEL_CONFIGS)}); add it to contract/model.py and rebuild")
-    config = LlamaConfig.from_dict(values)
-    if config.kernel_fields() != ALL_MODEL_CONFIGS[config_name].kernel_fields():
-        raise ModelError(f"the model artifact's {config_name!r} config differs from the contract's; "
-                         "re-convert it with `make setup`")
-    return config
+    """The artifact's config (whether kernels run it is `model_kernel_specs`'s check)."""
+    try:
+        return LlamaConfig.from_dict(values)
+    except TypeError as err:
+        raise ModelError(f"the model artifact's config ({config_name!r}) is incomplete ({err}); re-convert it "
+                         "with `make setup`") from err
 
 
-def _kernel_names(library, config_name: str, config: LlamaConfig, dtype: str) -> dict[str, str]:
-    """Artifact kernel name of every role the forward pass runs (decode attention apart)."""
-    names = {role: model_kernel_name(config_name, role, dtype) for role in llama_kernels(config, dtype)}
-    missing = sorted(name for name in names.values() if name not in library.specs)
-    if missing:
-        raise ModelError(f"the kernel artifact lacks {len(missing)} kernels of this model (e.g. {missing[0]}); "
-                         "rebuild it with `python -m app build`")
-    return names
+# What each role's kernel is compiled for, in a model config's words (a missing kernel's message)
+_COMPILED_FOR = {"down": lambda c: f"ffn_dim {c.ffn_dim}", "o_": lambda c: f"attention width {c.n_heads * c.head_dim}",
+                 "rope": lambda c: f"head_dim {c.head_dim}"}
+
+
+def _compiled_for(role: str, c: LlamaConfig) -> str:
+    for prefix, words in _COMPILED_FOR.items():
+        if role.startswith(prefix) or (prefix == "rope" and "rope" in role):
+            return words(c)
+    return f"dim {c.dim}"
+
+
+def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None) -> dict:
+    """role -> spec (contract.kernels.llama_kernels) of every model kernel the forward pass may run,
+    each present in the artifact: kernels are compiled for row widths and head_dim, not for a model,
+    so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing."""
+    specs = llama_kernels(config, dtype)
+    unfit = [f"{role} ({why})" for role, spec in specs.items() if (why := spec.unsupported())]
+    if unfit:
+        raise ModelError(f"this model's sizes do not fit the kernels' grids: {'; '.join(unfit)}")
+    missing = {role: spec.name for role, spec in specs.items() if spec.name not in library.specs}
+    if not missing:
+        return specs
+    other = "float16" if dtype == "float32" else "float32"
+    if all(spec.name in library.specs for spec in llama_kernels(config, other).values()):
+        why = f": {device.adapter_name} has no shader-f16" if device is not None and not device.has_f16 else ""
+        raise ModelError(f"this model's shape has kernels for {other} only, not {dtype}{why}")
+    fields = sorted({_compiled_for(role, config) for role in missing})
+    served = sorted(name for name, c in ALL_MODEL_CONFIGS.items()
+                    if all(spec.name in library.specs for spec in llama_kernels(c, dtype).values()))
+    raise ModelError(f"no kernels for this model's shape (dim {config.dim}, ffn_dim {config.ffn_dim}, "
+                     f"{config.n_heads} heads of {config.head_dim}, {dtype}): the artifact has none for its "
+                     f"{', '.join(fields)} (it lacks {', '.join(sorted(set(missing.values()))[:3])}"
+                     f"{', ...' if len(set(missing.values())) > 3 else ''}); shapes with kernels: {', '.join(served)}")
+
+
+def runnable_kernels(library, config: LlamaConfig, dtype: str, device) -> tuple[dict, AttentionKernels]:
+    """The model kernels' specs and the attention kernels that run `config` on this device, or a
+    ModelError naming what the artifact lacks (before any weight is read)."""
+    return model_kernel_specs(library, config, dtype, device), _attention_kernels(library, config, dtype, device)
 
 
 def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> AttentionKernels:

@@ -56,7 +56,7 @@ class LlamaModel:
     model_glue.loading.load_model)."""
 
     def __init__(self, device, library, config: LlamaConfig, config_name: str, dtype: str, weights: dict,
-                 kernel_names: dict, attention: AttentionKernels, options: RunOptions):
+                 kernel_specs: dict, attention: AttentionKernels, options: RunOptions):
         self.device = device
         self.library = library
         self.config = config
@@ -64,7 +64,11 @@ class LlamaModel:
         self.dtype = dtype
         self.esize = DTYPE_BYTES[dtype]
         self.weights = weights
-        self.kernel_names = kernel_names  # role -> artifact name (contract.kernels.llama_kernels)
+        # role -> artifact name and the sizes it runs with (contract.kernels.llama_kernels: a kernel is
+        # compiled for row widths, not for this model, so its row counts, vocabulary, eps and RoPE
+        # values are runtime values)
+        self.kernel_names = {role: spec.name for role, spec in kernel_specs.items()}
+        self.kernel_values = {role: spec.values for role, spec in kernel_specs.items()}
         self.kernels: dict = {}  # role -> Kernel, compiled for the roles the options use (`compile_roles`)
         self.attention = attention  # the artifact's attention kernels that run this shape here
         self._attention_compiled: dict = {}  # artifact name -> Kernel (`compile_attention`)

@@ -48,7 +48,7 @@ def tab(browser, server):
     ("artifacts/tiny_chat/weights.bin", "truncated", "got 1000 of"),
     ("artifacts/tiny_chat/weights.bin", "flipped", "does not match the sha256 in its manifest"),
     ("artifacts/tiny_chat/tokenizer.json", "truncated", "cannot load the tokenizer"),
-    ("artifacts/kernels/tiny_chat_rope_append_f32.wgsl", "truncated", "WGSL of tiny_chat_rope_append_f32 rejected"),
+    ("artifacts/kernels/rope_append_d64_f32.wgsl", "truncated", "WGSL of rope_append_d64_f32 rejected"),
 ])
 def test_a_broken_artifact_is_named_at_load(fresh_browser, server, path, fault, expected):
     def break_it(tab):

@@ -87,15 +87,15 @@ def broken_kernels(tmp_path, artifact_dir):
 
 def test_missing_truncated_and_invalid_kernels(loop, gpu, broken_kernels):
     manifest = json.loads((broken_kernels / "manifest.json").read_text())
-    wgsl = broken_kernels / manifest["kernels"]["tiny_chat_rope_append_f32"]["wgsl"]
+    wgsl = broken_kernels / manifest["kernels"]["rope_append_d64_f32"]["wgsl"]
     source = wgsl.read_text()
     wgsl.unlink()
     library = loop.run_until_complete(KernelLibrary.from_folder(gpu, broken_kernels))
-    with pytest.raises(ArtifactError, match="kernel tiny_chat_rope_append_f32: .*No such file"):
+    with pytest.raises(ArtifactError, match="kernel rope_append_d64_f32: .*No such file"):
         load_chat(loop, gpu, library)
     wgsl.write_text(source[: len(source) // 2])  # truncated: the compiler names the kernel
     library = loop.run_until_complete(KernelLibrary.from_folder(gpu, broken_kernels))
-    with pytest.raises(RuntimeError, match="WGSL of tiny_chat_rope_append_f32 rejected"):
+    with pytest.raises(RuntimeError, match="WGSL of rope_append_d64_f32 rejected"):
         load_chat(loop, gpu, library)
     (broken_kernels / "manifest.json").write_text("{\"format\": 1, \"kern")
     with pytest.raises(ArtifactError, match="cannot read the kernel manifest"):

@@ -67,6 +67,25 @@ def test_exact_types_match_the_files_model(loop, gpu, test_library, tmp_path, ty
         model.release()
 
 
+def test_a_shape_no_config_has_runs_on_kernels_of_its_widths(loop, gpu, test_library, tmp_path):
+    """Kernels are compiled for row widths and head_dim, not for a model (contract.kernels.llama_kernels):
+    a file with tiny_llama's widths and heads but its own vocabulary, RoPE base, epsilon, layer count,
+    untied head and Llama 3's RoPE scaling (a rope_freqs tensor) runs on them, every one of those a
+    runtime value, and matches the file's own f64 model."""
+    config = dataclasses.replace(TINY, vocab_size=320, rope_theta=500000.0, rms_eps=1e-6, n_layers=3,
+                                 tied_embeddings=False, rope_scaling=(8.0, 1.0, 4.0, 8192))
+    path = tmp_path / "own-shape.gguf"
+    dense = write_llama_gguf(path, config, types={"matrix": "Q4_1", "embed": "Q8_0", "head": "Q8_0"}, seed=5,
+                             rope_freqs=True)
+    model = load(loop, gpu, test_library, path)
+    try:
+        assert model.config == config and model.config_name == "tiny_llama"
+        worst, agree = compare(loop, model, dense)
+        assert worst < 1e-4 and agree == 4, (worst, agree)
+    finally:
+        model.release()
+
+
 @pytest.mark.parametrize("types", [
     {"matrix": "Q6_K", "embed": "Q6_K"}, {"matrix": "Q5_0", "embed": "F16"}, {"matrix": "F16", "embed": "BF16"},
     {"matrix": "Q8_0", "embed": "Q4_K", "norm": "F16"},
@@ -126,11 +145,12 @@ def test_refusals_name_the_problem(loop, gpu, test_library, tmp_path):
             load(loop, gpu, test_library, path)
         return str(err.value)
 
-    # a shape without kernels: names the nearest built shape and what differs
+    # a width without kernels: names it, the kernels it lacks and the shapes that have them
     wide = dataclasses.replace(TINY, ffn_dim=768)
     message = refused(write_refused(tmp_path / "wide.gguf", config=wide))
-    assert "no kernels for this model's shape" in message and "ffn_dim" in message and "tiny_llama" in message
-    # Llama 3's RoPE scaling on a shape built without it
+    assert "no kernels for this model's shape" in message and "ffn_dim 768" in message and "tiny_llama" in message
+    assert "matmul_decode_q4_k768" in message
+    # rope_freqs that are no known Llama 3 scaling
     message = refused(write_refused(tmp_path / "rope.gguf", config=dataclasses.replace(
         TINY, rope_scaling=(8.0, 1.0, 4.0, 64)), rope_freqs=True))
     assert "RoPE scaling" in message

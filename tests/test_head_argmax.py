@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from contract.kernels import head_spec, model_kernel_name
+from contract.kernels import llama_kernels
 from contract.model import MODEL_CONFIGS
 
 CONFIG = MODEL_CONFIGS["tiny_chat"]  # SmolLM2's vocabulary and head shape: the kernels' real sizes
@@ -28,15 +28,17 @@ def q8_head(rng, tied_rows):
 
 
 def run_head(loop, gpu, library, x, words, scales):
-    head = loop.run_until_complete(library.kernel(model_kernel_name("tiny_chat", "lm_head", DTYPE)))
-    argmax = loop.run_until_complete(library.kernel(model_kernel_name("tiny_chat", "argmax", DTYPE)))
-    groups = head_spec(CONFIG, DTYPE).workgroups
+    specs = llama_kernels(CONFIG, DTYPE)
+    head = loop.run_until_complete(library.kernel(specs["lm_head"].name))
+    argmax = loop.run_until_complete(library.kernel(specs["argmax"].name))
+    groups = specs["lm_head"].workgroups
     buffers = {"x": gpu.storage_buffer(x.nbytes, x.tobytes()), "w": gpu.storage_buffer(words.nbytes, words.tobytes()),
                "scale": gpu.storage_buffer(scales.nbytes, scales.tobytes()),
                "y": gpu.storage_buffer(4 * CONFIG.vocab_size), "best": gpu.storage_buffer(8 * groups)}
     out = gpu.storage_buffer(4)
     batch = gpu.batch()
-    bound = [head.bind(buffers, {"n": 1}), argmax.bind({"best": buffers["best"], "out": out}, {})]
+    bound = [head.bind(buffers, {"n": 1, **specs["lm_head"].values}),
+             argmax.bind({"best": buffers["best"], "out": out}, specs["argmax"].values)]
     for kernel in bound:
         kernel.dispatch(batch)
     batch.submit()

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from convert.weights import dequant_q4, pack_q4
-from kernels.catalog import TEST_DECODE_MATMULS, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name
+from kernels.catalog import (TEST_DECODE_MATMULS, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name,
+                             test_matmul_spec as matmul_spec_of)
+from model_glue.kernel import evaluate
 from kernels.prefill_attention import prefill_layout
 from contract.kernels import PAGE_SIZE, AttentionSpec
 from attention_reference import relative_l2
@@ -124,10 +126,12 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype)))
+    spec = matmul_spec_of(flags, dtype)  # out_features and eps are the kernel's runtime values
     if decode:
         rows_per_thread = {"paired": 2, "quad": 4}.get(flags.split("_")[0], 1)
         columns = out_features // 2 if swiglu else out_features
-        assert kernel.spec.grid[0] == columns // (8 * rows_per_thread // (2 if swiglu else 1)), kernel.spec.grid
+        grid = evaluate(kernel.spec.grid[0], spec.values)
+        assert grid == columns // (8 * rows_per_thread // (2 if swiglu else 1)), kernel.spec.grid
     rng = np.random.default_rng(len(flags))
     words, scale, minv = random_q4(rng, out_features, in_features)
     w = dequant_q4(words, scale, minv).astype(np.float64)
@@ -155,7 +159,7 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
             buffers["norm"] = upload(norm_weight)
         if residual:
             buffers["resid"] = upload(resid)
-        bound = kernel.bind(buffers, {"n": n})
+        bound = kernel.bind(buffers, {"n": n, **spec.values})
         batch = gpu.batch()
         bound.dispatch(batch)
         batch.submit()

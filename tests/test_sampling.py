@@ -13,14 +13,15 @@ import pytest
 
 from convert.weights import write_random_artifact
 from model_glue.artifact import folder_readers
-from contract.kernels import MAX_TOP_K, model_kernel_name
+from contract.kernels import MAX_TOP_K, llama_kernels
 from contract.model import MODEL_CONFIGS
 from model_glue.errors import ModelError
 from model_glue.generate import GREEDY, Sampling, generate
 from model_glue.loading import load_model
 
 VOCAB = MODEL_CONFIGS["tiny_chat"].vocab_size  # SmolLM2's vocabulary: the kernel's real size
-KERNEL = model_kernel_name("tiny_chat", "sample", "float32")
+SAMPLER = llama_kernels(MODEL_CONFIGS["tiny_chat"], "float32")["sample"]
+KERNEL = SAMPLER.name
 MARGIN = 1e-4  # relative distance to a boundary below which f32 and f64 may disagree
 
 
@@ -41,7 +42,7 @@ def reference_pick(logits, top_k, temperature, top_p, draw):
 
 
 def run_sampler(loop, gpu, kernel, logits_buffer, out_buffer, **values):
-    bound = kernel.bind({"logits": logits_buffer, "out": out_buffer}, values)
+    bound = kernel.bind({"logits": logits_buffer, "out": out_buffer}, {**SAMPLER.values, **values})
     batch = gpu.batch()
     bound.dispatch(batch)
     batch.submit()

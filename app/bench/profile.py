@@ -35,10 +35,13 @@ async def empty_pass_seconds(device, calls: int = EMPTY_PASS_CALLS) -> float:
     return statistics.median(ticks[2 * i + 1] - ticks[2 * i] for i in range(calls)) * 1e-9
 
 
-def role_of(library, name: str) -> str:
+def role_of(model, library, name: str) -> str:
+    """The role a dispatched kernel plays in `model`'s step (model kernels are shared across shapes
+    and roles, so the model's own map says, not the kernel's manifest entry)."""
+    roles = sorted({role.removesuffix("_decode") for role, kernel in model.kernel_names.items() if kernel == name})
+    if roles:
+        return "/".join(roles)
     meta = library.specs[name].meta
-    if meta.get("kind") == "llama":
-        return meta["role"].removesuffix("_decode")
     return {"decode_attention": "attention", "decode_attention_merge": "merge"}.get(meta.get("kind"), name)
 
 
@@ -47,7 +50,7 @@ def bytes_read(model, library, name: str, buffers: dict, context: int) -> int:
     (activations of one token are a few KiB)."""
     weights = {id(buffer) for buffer in model.weights.values()}
     total = sum(buffer.size for buffer in buffers.values() if id(buffer) in weights)
-    if role_of(library, name) == "embed":  # one row of the table
+    if role_of(model, library, name) == "embed":  # one row of the table
         return total // model.config.vocab_size
     if library.specs[name].meta.get("kind") == "decode_attention":
         c = model.config
@@ -81,7 +84,7 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
                 kept.append(ns)
         roles: dict[str, dict] = {}
         for name, buffers, ns in samples:
-            role = roles.setdefault(role_of(library, name), {"dispatches": 0, "us": 0.0, "bytes": 0})
+            role = roles.setdefault(role_of(model, library, name), {"dispatches": 0, "us": 0.0, "bytes": 0})
             role["dispatches"] += 1
             role["us"] += max(statistics.median(ns) * 1e-9 - empty, 0.0) * 1e6
             role["bytes"] += bytes_read(model, library, name, buffers, step_context)
