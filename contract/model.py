@@ -92,7 +92,7 @@ MODEL_CONFIGS = {
 # The shapes of widely run Llama-family models, served as kernels only (f16, SYNTHETIC_DTYPES: no CPU
 # rasterizer runs these sizes). A user's GGUF runs on them wherever its widths, head_dim and attention
 # shape are one of these (its layer count, vocabulary, RoPE base and scaling, eps and head tying are
-# runtime values), and
+# runtime values; e.g. Mistral-7B's GGUF, architecture llama, has Llama-3.1-8B's widths and heads), and
 # `?model=synthetic:NAME` fills random weights of the shape on the GPU (model_glue.synthetic), so the
 # seed's experiment runs as a whole model with nothing to download.
 SYNTHETIC_CONFIGS = {
@@ -111,13 +111,18 @@ SYNTHETIC_CONFIGS = {
     "llama_3_1_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                                 vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, tied_embeddings=False,
                                 rope_scaling=(8.0, 1.0, 4.0, 8192)),
+    # Mistral-7B-Instruct-v0.2 (a GGUF of architecture llama): Llama-3.1-8B's widths and heads with its
+    # own vocabulary, RoPE base and no RoPE scaling, so it adds no kernel to the artifact.
+    "mistral_7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                              vocab_size=32000, rope_theta=1000000.0, rms_eps=1e-5, tied_embeddings=False),
 }
 SYNTHETIC_DTYPES = ("float16",)
 
 
 # The names people call them by (`?model=synthetic:llama-3.1-8b`, `--shape llama-3.1-8b`).
 SYNTHETIC_NAMES = {"smollm2-360m": "smollm2_360m", "smollm2-1.7b": "smollm2_1_7b", "tinyllama-1.1b": "tinyllama_1_1b",
-                   "llama-3.2-1b": "llama_3_2_1b", "llama-3.2-3b": "llama_3_2_3b", "llama-3.1-8b": "llama_3_1_8b"}
+                   "llama-3.2-1b": "llama_3_2_1b", "llama-3.2-3b": "llama_3_2_3b", "llama-3.1-8b": "llama_3_1_8b",
+                   "mistral-7b": "mistral_7b"}
 
 
 def synthetic_config_name(name: str) -> str:
