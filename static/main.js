@@ -24,7 +24,7 @@ const MODEL = params.get("model") || "smollm2";
 const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:".length) : null;
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
   : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
-  : `${MODEL} (random weights)`;
+  : MODEL;  // an artifact: its manifest says what it was made from (artifactLabel)
 // ?warm=on: bounded GPU work while the user types, to raise the clocks for the reply to come. Off by
 // default: on the H200 streaming work before a reply made its decode slower, not faster (docs/benchmarks.md).
 const WARM = params.get("warm") === "on";
@@ -83,6 +83,15 @@ async function openSession(python) {
   return JSON.parse(await python.call("openSession", { kernelsUrl }));
 }
 
+// What an artifact was made from, as its manifest says: a GGUF (the served SmolLM2, or any file
+// `python -m app convert --gguf` converted) or random weights (`convert --random`).
+function artifactLabel(manifest) {
+  if (MODEL === "smollm2") return MODEL_LABEL;
+  const source = manifest.source || {};
+  return source.file ? `${MODEL} (converted from ${source.file})`
+    : source.random_seed !== undefined ? `${MODEL} (random weights)` : MODEL;
+}
+
 // The worker fetches the weights (from the browser's cache when it holds this exact file) and
 // checks their sha256, while this thread shows a progress bar; then Python checks every tensor and
 // uploads it.
@@ -103,7 +112,8 @@ async function loadChat(python) {
   if (!manifest.weights_sha256) {
     throw new Error(`the ${MODEL} artifact predates this page (no weights_sha256); run \`make setup\` on the server`);
   }
-  step(`${MODEL_LABEL}: weights (${MiB(manifest.total_bytes)} MiB)…`);
+  state.modelLabel = artifactLabel(manifest);
+  step(`${state.modelLabel}: weights (${MiB(manifest.total_bytes)} MiB)…`);
   const bar = $("load-bar"), label = $("load-text");
   $("load-progress").hidden = false;
   const stages = { cache: "reading from the browser cache", download: "downloading", verify: "checking sha256" };
@@ -114,14 +124,14 @@ async function loadChat(python) {
   const fetched = async (weights) => {  // before Python reads them
     $("load-progress").hidden = true;
     state.weights = weights;
-    step(`${MODEL_LABEL}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
+    step(`${state.modelLabel}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
          `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
     await showCache();
   };
   state.info = JSON.parse(await python.call("openChat", {
     base, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
     weights: { url: `${base}/${manifest.weights_file}`, sha256: manifest.weights_sha256, bytes: manifest.total_bytes },
-  }, { weights: showWeights, fetched, progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
+  }, { weights: showWeights, fetched, progress: (message) => step(`${state.modelLabel}: ${message}…`) }));
 }
 
 // A button per GGUF the browser's cache keeps (python_worker.js keepGguf).
@@ -273,8 +283,10 @@ async function boot() {
   step(`Loading ${MODEL_LABEL}…`);
   await loadChat(python);
   await setUpLab(app);
-  const ready = `${MODEL_LABEL}, ${state.info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ` +
-    `${state.info.options.max_context} tokens`;
+  const template = state.modelLabel && state.modelLabel.includes("converted from")
+    ? `, ${state.info.chat_template} chat template` : "";  // the file's own, as a GGUF opened directly shows it
+  const ready = `${state.modelLabel || MODEL_LABEL}${template}, ${state.info.dtype === "float16" ? "f16" : "f32"} ` +
+    `kernels, context up to ${state.info.options.max_context} tokens`;
   step(`Ready: ${ready}.`);
   finishSteps(`ready: ${ready} (click for the loading steps)`);
   $("chat-panel").hidden = false;

@@ -73,3 +73,56 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         assert tab.console_errors == [] and tab.http_errors == []
     finally:
         tab.close()
+
+
+def test_a_converted_gguf_opens_as_an_artifact(browser, loop, gpu, library, tmp_path):
+    """`python -m app convert --gguf` (app.convert_gguf) writes an artifact the page loads with
+    `?model=NAME`: its weights, and the file's tokenizer and chat template from gguf_tokenizer.json.
+    The page's prompt ids are the native ChatSession's for the same artifact and message."""
+    import threading
+
+    from conftest import STATIC
+    from app.convert_gguf import convert_gguf_file
+    from app.server import make_server
+    from chat.session import ChatSession
+    from model_glue.artifact import folder_readers
+    from model_glue.options import RunOptions
+
+    gguf = tmp_path / "tiny-chat-q4_0.gguf"
+    write_llama_gguf(gguf, dataclasses.replace(ALL_MODEL_CONFIGS["tiny_chat"], n_layers=1), chat_template=CHATML,
+                     types={"matrix": "Q4_0", "embed": "Q8_0"}, seed=7)
+    # the served tree, with the converted artifact beside the others (links: nothing is copied)
+    root = tmp_path / "static"
+    (root / "artifacts").mkdir(parents=True)
+    for entry in STATIC.iterdir():
+        if entry.name != "artifacts":
+            (root / entry.name).symlink_to(entry)
+    for entry in (STATIC / "artifacts").iterdir():
+        (root / "artifacts" / entry.name).symlink_to(entry)
+    converted = root / "artifacts" / "converted"
+    loop.run_until_complete(convert_gguf_file(gpu, library, gguf, converted, log=lambda message: None))
+
+    native = loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(converted), dtype="float32",
+                                                      options=RunOptions(max_context=512, warm_up=False)))
+    try:
+        want = native.prompt_ids([{"role": "user", "content": "hello there"}])
+    finally:
+        native.model.release()
+
+    httpd = make_server(root, host="127.0.0.1", port=0, hooks=True)  # open_page asks for the test hooks
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    tab = open_page(browser, f"http://127.0.0.1:{httpd.server_address[1]}/?model=converted",
+                    "window.demoState.chatReady || window.demoState.error", TIMEOUT_MS)
+    try:
+        assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
+        assert tab.evaluate("window.demoState.info.config") == "tiny_chat"
+        status = tab.text_content("#status-panel")
+        assert "converted (converted from tiny-chat-q4_0.gguf), chatml chat template" in status, status
+        chat_once(tab, "hello there", 4)
+        reply = tab.evaluate("window.demoState.lastReply")
+        assert reply["prompt_tokens"] == len(want) and 1 <= len(reply["token_ids"]) <= 4, reply
+        assert tab.console_errors == [] and tab.http_errors == []
+    finally:
+        tab.close()
+        httpd.shutdown()
+        httpd.server_close()
