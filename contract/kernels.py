@@ -107,19 +107,22 @@ O_MERGE_MAX_X_BYTES = 8192  # the merged x (f32) in workgroup memory, beside the
 # a thread, never for its row count (`out_features`: qkv width, FFN width, vocabulary), the norm's
 # epsilon, the head counts or the RoPE base and scaling. A model whose every kernel name
 # (`llama_kernels(c, dtype)[role].name`) is in the artifact runs, whatever config it comes from.
-NEUTRAL_ROPE_SCALING = {"rope_inv_factor": 1.0, "rope_ratio": 0.0, "rope_low": -1.0, "rope_span": 1.0}
-
-
 def rope_values(n_heads: int, n_kv_heads: int, head_dim: int, theta: float, scaling: tuple | None) -> dict:
     """The runtime values of the kernels that apply RoPE (kernels.llama.rope_inv_freq): the head
     counts, theta's exponent per pair, and Llama 3's scaling (factor, low, high, original context)
-    as the kernel uses it; without scaling, values for which the kernel multiplies by exactly 1."""
+    as the kernel uses it. Whether there is a scaling at all is compiled in (`rope_tag`)."""
     values = {"q_heads": n_heads, "kv_heads": n_kv_heads, "rope_exponent": -math.log2(theta) / head_dim}
     if scaling is None:
-        return {**values, **NEUTRAL_ROPE_SCALING}
+        return values
     factor, low, high, original = scaling
     return {**values, "rope_inv_factor": 1 / factor, "rope_ratio": original / (2 * math.pi), "rope_low": low,
             "rope_span": high - low}
+
+
+def rope_tag(head_dim: int, scaling: tuple | None) -> str:
+    """What a RoPE kernel is compiled for: head_dim, and whether Llama 3's scaling applies (SmolLM2's
+    qkv matmul lost 1% on the H200 computing a neutral scaling: docs/benchmarks.md)."""
+    return f"d{head_dim}{'_scaled' if scaling is not None else ''}"
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,8 @@ class RopeAppend:
     """The decode qkv matmul's epilogue: adjacent-pair RoPE on the q and k columns (Llama 3's
     `scaling` where given, as contract.model.LlamaConfig.rope_scaling), q written to `q`, k and v
     into the token's slot of the layer's pages. It replaces a rope_append dispatch per layer. The
-    kernel is compiled for head_dim only (`rope_values` are runtime values)."""
+    kernel is compiled for head_dim and whether there is a scaling (`rope_tag`); the rest are
+    `rope_values`."""
 
     n_heads: int
     n_kv_heads: int
@@ -148,9 +152,10 @@ class MatmulSpec:
     Decode passes run kernels.llama.quantized_matmul (one token); prefill passes (`tiled`) run
     kernels.prefill_matmul (tiles of tokens x weight rows, q4 only).
 
-    The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread;
-    out_features, norm_eps and the RoPE epilogue's heads, base and scaling are runtime values
-    (`values`), so the builders read them from the kernel's PODArgs, never from the spec."""
+    The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread (and the
+    decode SwiGLU's rows, `compiled_rows`); out_features, norm_eps and the RoPE epilogue's heads, base
+    and scaling are runtime values (`values`), so the builders read them from the kernel's PODArgs,
+    never from the spec."""
 
     out_features: int
     in_features: int
@@ -186,17 +191,27 @@ class MatmulSpec:
         """The artifact name: every compile-time choice, nothing that is a runtime value."""
         folds = "".join(f"_{fold}" for fold, on in (
             ("norm", self.norm_eps is not None), ("swiglu", self.swiglu), ("resid", self.residual),
-            (f"rope_d{self.rope_append.head_dim}" if self.rope_append else "", self.rope_append is not None),
+            (f"rope_{rope_tag(self.rope_append.head_dim, self.rope_append.scaling)}" if self.rope_append else "",
+             self.rope_append is not None),
             (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
         rows = "" if self.tiled else f"_r{self.rows_per_thread}"
+        if self.compiled_rows is not None:
+            rows = f"_n{self.compiled_rows}{rows}"
         out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
         return (f"matmul_{'prefill' if self.tiled else 'decode'}_{self.weights}_k{self.in_features}{folds}{rows}"
                 f"{out}_{DTYPE_TAGS[self.dtype]}")
 
     @property
+    def compiled_rows(self) -> int | None:
+        """W's rows where the kernel is compiled for them: the decode SwiGLU matmul, whose up rows
+        start out_features / 2 rows on (a runtime offset there cost the 8B shape's decode step 1% on
+        the H200: docs/benchmarks.md); None where out_features is a runtime value."""
+        return self.out_features if self.swiglu and not self.tiled else None
+
+    @property
     def values(self) -> dict:
         """The kernel's runtime values for this matmul."""
-        values = {"out_features": self.out_features}
+        values = {} if self.compiled_rows is not None else {"out_features": self.out_features}
         if self.norm_eps is not None:
             values["eps"] = self.norm_eps
         return {**values, **(self.rope_append.values if self.rope_append else {})}
@@ -289,8 +304,9 @@ def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRo
                             {"vocab": c.vocab_size}),
         "rms_norm": KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
                                {"eps": c.rms_eps}),
-        "rope_append": KernelRole("rope_and_append", (c.head_dim, dtype), ("qkv", "positions", "slots", "pages", "q"),
-                                  f"rope_append_d{c.head_dim}_{tag}", rope),
+        "rope_append": KernelRole("rope_and_append", (c.head_dim, dtype, c.rope_scaling is not None),
+                                  ("qkv", "positions", "slots", "pages", "q"),
+                                  f"rope_append_{rope_tag(c.head_dim, c.rope_scaling)}_{tag}", rope),
         "swiglu": KernelRole("swiglu", (dtype,), ("gate_up", "h"), f"swiglu_{tag}", {"ffn_dim": c.ffn_dim}),
         # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
         # (value, index) for the argmax

@@ -139,6 +139,10 @@ def synthetic_config_name(name: str) -> str:
 TEST_MODEL_CONFIGS = {
     "tiny_llama": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                               vocab_size=512, rope_theta=10000.0, rms_eps=1e-5),
+    # the same widths with Llama 3.1's RoPE scaling: adds only the RoPE kernels compiled with a scaling
+    "tiny_llama_scaled": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+                                     vocab_size=512, rope_theta=10000.0, rms_eps=1e-5,
+                                     rope_scaling=(8.0, 1.0, 4.0, 8192)),
 }
 ALL_MODEL_CONFIGS = {**MODEL_CONFIGS, **SYNTHETIC_CONFIGS, **TEST_MODEL_CONFIGS}
 # The context a model was trained for when its file does not say (SmolLM2's GGUF says 8,192); random and

@@ -147,7 +147,8 @@ def quantized_matmul(spec: MatmulSpec):
     workgroup instead of one), so CPU rasterizers run rms_norm, the plain matmul and swiglu.
     """
     assert not spec.tiled
-    # out_features, norm_eps and the RoPE values are runtime values (contract.kernels.MatmulSpec.values)
+    # out_features (but with SwiGLU, MatmulSpec.compiled_rows), norm_eps and the RoPE values are runtime
+    # values (contract.kernels.MatmulSpec.values)
     in_features, dtype, weight_format = spec.in_features, spec.dtype, spec.weights
     residual, normed, swiglu, rope = spec.residual, spec.norm_eps is not None, spec.swiglu, spec.rope_append
     rotates = rope is not None  # TVMScript's `if` takes a bool, not any object
@@ -167,6 +168,7 @@ def quantized_matmul(spec: MatmulSpec):
     assert in_features % BLOCK == 0
     # rope_append: q heads, then k heads, then v heads in the qkv columns; a page row per token
     D = rope.head_dim if rope else 2
+    scaled = rope is not None and rope.scaling is not None  # compiled in (contract.kernels.rope_tag)
     assert not rope or (TOKENS == 1 and not swiglu and not residual)
     # split_head_dim: x[h * MD + i] from partial_o [n, MH, S, MD / 4] (f32x4) and partial_stats [n, MH, S, 2]
     merges = spec.split_head_dim is not None
@@ -179,8 +181,13 @@ def quantized_matmul(spec: MatmulSpec):
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
 
+    COMPILED_ROWS = spec.compiled_rows  # W's rows where they are compiled in (the up rows' offset)
+
+    def w_rows(out_features):  # W's rows: the runtime value, or the compiled one
+        return COMPILED_ROWS if COMPILED_ROWS is not None else out_features
+
     def out_columns(out_features):  # y's width
-        return out_features // 2 if swiglu else out_features
+        return w_rows(out_features) // 2 if swiglu else out_features
 
     def weight_row(rb, r, q, out_columns):
         # a thread's columns are rb * COLUMNS_PER_GROUP + c * ROWS + r; with swiglu q = 2c is
@@ -215,7 +222,7 @@ def quantized_matmul(spec: MatmulSpec):
         i: T.let[T.int32] = column % D
         if column < (q_heads + kv_heads) * D:
             angle: T.let[T.float32] = T.Cast("float32", position) * rope_inv_freq(
-                i // 2, rope_exponent, rope_inv_factor, rope_ratio, rope_low, rope_span)
+                i // 2, rope_exponent, (rope_inv_factor, rope_ratio, rope_low, rope_span) if scaled else None)
             c: T.let[T.float32] = T.cos(angle)
             sn: T.let[T.float32] = T.sin(angle)
             # the even column of a pair is x0, the odd x1: (x0 c - x1 s, x0 s + x1 c)
@@ -247,9 +254,9 @@ def quantized_matmul(spec: MatmulSpec):
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
-        w = T.match_buffer(w_h, (out_features, CHUNKS), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, WORDS]
-        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
+        w = T.match_buffer(w_h, (w_rows(out_features), CHUNKS), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, WORDS]
+        scale = T.match_buffer(scale_h, (w_rows(out_features), in_features // BLOCK), "float32")
+        wmin = T.match_buffer(min_h, (w_rows(out_features), in_features // BLOCK), "float32")
         resid = T.match_buffer(resid_h, (n, out_columns(out_features)), out_dtype)
         y = T.match_buffer(y_h, (n, out_columns(out_features)), out_dtype)
         positions = T.match_buffer(positions_h, (n,), "int32")
@@ -391,20 +398,24 @@ def quantized_matmul(spec: MatmulSpec):
     return matmul
 
 
-def rope_inv_freq(pair, exponent, inv_factor, ratio, low, span):
+def rope_inv_freq(pair, exponent, scaling=None):
     """The rotation frequency of adjacent pair `pair` of a head, f32, from the runtime values of
-    contract.kernels.rope_values: theta^(-2 pair / D) = exp2(2 pair * exponent), then Llama 3's
-    scaling, (1 - s) * inv_factor + s times it, s = clamp((ratio * inv_freq - low) / span, 0, 1) with
-    ratio = original context / (2 pi) and span = high - low (contract.model.rope_frequency_divisors).
-    Without scaling the values make s = 1, so the frequency is multiplied by exactly 1."""
+    contract.kernels.rope_values: theta^(-2 pair / D) = exp2(2 pair * exponent), then (`scaling`: the
+    values inv_factor, ratio, low, span) Llama 3's scaling, (1 - s) * inv_factor + s times it,
+    s = clamp((ratio * inv_freq - low) / span, 0, 1) with ratio = original context / (2 pi) and
+    span = high - low (contract.model.rope_frequency_divisors)."""
     inv_freq = T.exp2(T.Cast("float32", 2 * pair) * exponent)
+    if scaling is None:
+        return inv_freq
+    inv_factor, ratio, low, span = scaling
     smooth = T.min(T.max((inv_freq * ratio - low) / span, T.float32(0)), T.float32(1))
     return inv_freq * ((T.float32(1) - smooth) * inv_factor + smooth)
 
 
-def rope_and_append(head_dim: int, dtype: str, page_size: int = PAGE_SIZE):
+def rope_and_append(head_dim: int, dtype: str, scaled: bool, page_size: int = PAGE_SIZE):
     """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
-    The head counts and RoPE's base and scaling are runtime values (contract.kernels.rope_values).
+    The head counts and RoPE's base and scaling are runtime values (contract.kernels.rope_values);
+    whether there is a scaling is compiled in (`scaled`).
 
     qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].
     GGUFs permute their Q/K weights for adjacent pairs (x[2i], x[2i+1]). With Llama 3's
@@ -442,8 +453,8 @@ def rope_and_append(head_dim: int, dtype: str, page_size: int = PAGE_SIZE):
                             pair: T.let[T.int32] = p % (D // 2)
                             x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
                             x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
-                            inv_freq: T.let[T.float32] = rope_inv_freq(pair, rope_exponent, rope_inv_factor, rope_ratio,
-                                                                       rope_low, rope_span)
+                            inv_freq: T.let[T.float32] = rope_inv_freq(
+                                pair, rope_exponent, (rope_inv_factor, rope_ratio, rope_low, rope_span) if scaled else None)
                             angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
                             c: T.let[T.float32] = T.cos(angle)
                             sn: T.let[T.float32] = T.sin(angle)
