@@ -112,7 +112,7 @@ SYNTHETIC_CONFIGS = {
                                 vocab_size=128256, rope_theta=500000.0, rms_eps=1e-5, tied_embeddings=False,
                                 rope_scaling=(8.0, 1.0, 4.0, 8192)),
     # Mistral-7B-Instruct-v0.2 (a GGUF of architecture llama): Llama-3.1-8B's widths and heads with its
-    # own vocabulary, RoPE base and no RoPE scaling, so it adds no kernel to the artifact.
+    # own vocabulary, RoPE base and no RoPE scaling: it adds only the RoPE kernels compiled without one.
     "mistral_7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                               vocab_size=32000, rope_theta=1000000.0, rms_eps=1e-5, tied_embeddings=False),
 }
