@@ -189,11 +189,11 @@ def quantized_matmul(spec: MatmulSpec):
     def out_columns(out_features):  # y's width
         return w_rows(out_features) // 2 if swiglu else out_features
 
-    def weight_row(rb, r, q, out_columns):
-        # a thread's columns are rb * COLUMNS_PER_GROUP + c * ROWS + r; with swiglu q = 2c is
-        # column c's gate row and q = 2c + 1 its up row
+    def weight_row(rb, r, q, width):
+        # a thread's columns (of y, `width` wide) are rb * COLUMNS_PER_GROUP + c * ROWS + r; with
+        # swiglu q = 2c is column c's gate row and q = 2c + 1 its up row, `width` rows further on
         if swiglu:
-            return (q % 2) * out_columns + rb * COLUMNS_PER_GROUP + (q // 2) * ROWS + r
+            return (q % 2) * width + rb * COLUMNS_PER_GROUP + (q // 2) * ROWS + r
         return rb * COLUMNS_PER_GROUP + q * ROWS + r
 
     def dot_row(c):  # the row (q) whose dot makes column c of the thread

@@ -188,15 +188,17 @@ def _checked_config(config_name: str | None, values: dict) -> LlamaConfig:
                          "with `make setup`") from err
 
 
-# What each role's kernel is compiled for, in a model config's words (a missing kernel's message)
-_COMPILED_FOR = {"down": lambda c: f"ffn_dim {c.ffn_dim}", "o_": lambda c: f"attention width {c.n_heads * c.head_dim}",
-                 "rope": lambda c: f"head_dim {c.head_dim}"}
-
-
 def _compiled_for(role: str, c: LlamaConfig) -> str:
-    for prefix, words in _COMPILED_FOR.items():
-        if role.startswith(prefix) or (prefix == "rope" and "rope" in role):
-            return words(c)
+    """What a role's kernel is compiled for, in the config's words (a missing kernel's message);
+    contract.kernels.llama_kernels is the authority."""
+    if "rope" in role:
+        return f"head_dim {c.head_dim}{' with RoPE scaling' if c.rope_scaling else ''}"
+    if role.startswith("down"):
+        return f"ffn_dim {c.ffn_dim}"
+    if role == "norm_gate_up_swiglu_decode":  # compiles its rows in (MatmulSpec.compiled_rows)
+        return f"dim {c.dim} with ffn_dim {c.ffn_dim}"
+    if role.startswith("o_"):
+        return f"attention width {c.n_heads * c.head_dim}"
     return f"dim {c.dim}"
 
 
