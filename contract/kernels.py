@@ -120,8 +120,8 @@ def rope_values(n_heads: int, n_kv_heads: int, head_dim: int, theta: float, scal
 
 
 def rope_tag(head_dim: int, scaling: tuple | None) -> str:
-    """What a RoPE kernel is compiled for: head_dim, and whether Llama 3's scaling applies (SmolLM2's
-    qkv matmul lost 1% on the H200 computing a neutral scaling: docs/benchmarks.md)."""
+    """What a RoPE kernel is compiled for: head_dim, and whether Llama 3's scaling applies (so an
+    unscaled model's kernels carry no scaling arithmetic and no neutral values for it)."""
     return f"d{head_dim}{'_scaled' if scaling is not None else ''}"
 
 
