@@ -11,7 +11,7 @@ a one-place change.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
@@ -92,6 +92,11 @@ def attention_kernel_name(kernel: str, shape: AttentionShape, dtype: str, slidin
 QUAD_MIN_WORKGROUPS = 512
 PAIRED_MIN_WORKGROUPS = 384
 MATMUL_ROWS = 8  # weight rows (threadIdx.y) of a decode matmul's workgroup: 8 x 32 lanes
+# A decode matmul's subgroup builds (MatmulSpec.subgroup_lanes): lanes of a row reduced by shuffles.
+MATMUL_SUBGROUP_LANES = (32, 16, 8, 4)
+# The served artifact's: a row's 32 lanes, for adapters whose subgroups hold 32 or more (NVIDIA,
+# Apple, AMD); an adapter with smaller ones runs the builds without subgroups.
+SERVED_MATMUL_SUBGROUP_LANES = 32
 PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefill_matmul.ROWS)
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
@@ -174,6 +179,15 @@ class MatmulSpec:
     # element, from the call's partial states (SPLIT_WORKSPACE, heads of this size; value num_splits),
     # with the merge kernel's arithmetic and its rounding to dtype. It replaces the merge dispatch.
     split_head_dim: int | None = None
+    # The decode matmul's lanes whose partial dots meet by subgroup shuffles before workgroup memory
+    # (a power of two up to 32, or None: none; kernels.llama.quantized_matmul). It runs where the
+    # adapter's subgroups hold at least this many invocations (model_glue.loading.pick_matmul_subgroup_lanes).
+    subgroup_lanes: int | None = None
+
+    def __post_init__(self):
+        if self.subgroup_lanes is not None and (self.tiled or self.subgroup_lanes not in MATMUL_SUBGROUP_LANES):
+            raise ValueError(f"subgroup_lanes is one of {MATMUL_SUBGROUP_LANES} for a decode matmul, "
+                             f"not {self.subgroup_lanes}")
 
     @property
     def builder(self) -> str:
@@ -198,8 +212,9 @@ class MatmulSpec:
         if self.compiled_rows is not None:
             rows = f"_n{self.compiled_rows}{rows}"
         out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
+        subgroups = f"_sg{self.subgroup_lanes}" if self.subgroup_lanes else ""
         return (f"matmul_{'prefill' if self.tiled else 'decode'}_{self.weights}_k{self.in_features}{folds}{rows}"
-                f"{out}_{DTYPE_TAGS[self.dtype]}")
+                f"{subgroups}{out}_{DTYPE_TAGS[self.dtype]}")
 
     @property
     def compiled_rows(self) -> int | None:
@@ -291,9 +306,23 @@ LAYER_MATMULS = {
 }
 
 
-def llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
+def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None) -> dict[str, MatmulSpec | KernelRole]:
     """role -> spec of every kernel of a model's forward pass, decode attention apart: the runtime
-    finds each as `spec.name` in the artifact and dispatches it with `spec.values`."""
+    finds each as `spec.name` in the artifact and dispatches it with `spec.values`. The decode
+    matmuls (the head's included) are the builds for `subgroup_lanes` (MatmulSpec.subgroup_lanes)."""
+    roles = _llama_kernels(c, dtype)
+    if subgroup_lanes is None:
+        return roles
+    return {role: replace(spec, subgroup_lanes=subgroup_lanes) if isinstance(spec, MatmulSpec) and not spec.tiled
+            else spec for role, spec in roles.items()}
+
+
+def matmul_subgroup_lanes(specs: dict) -> int | None:
+    """The subgroup build (MatmulSpec.subgroup_lanes) of a llama_kernels dict's decode matmuls."""
+    return specs["down_residual_decode"].subgroup_lanes
+
+
+def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
     weights = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
                "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
     tag = DTYPE_TAGS[dtype]

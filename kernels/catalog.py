@@ -18,8 +18,8 @@ import importlib
 from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
-from contract.kernels import (TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec,
-                              llama_kernels)
+from contract.kernels import (SERVED_MATMUL_SUBGROUP_LANES, TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES,
+                              AttentionSpec, MatmulSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
                             SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
 from kernels import llama
@@ -157,13 +157,18 @@ def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
                             prefill_layout(shape.head_dim, dtype))
 
 
-def llama_recipes(c: LlamaConfig, dtype: str) -> list[KernelRecipe]:
+def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> list[KernelRecipe]:
     """Every non-attention kernel of one model config, named by what it is compiled for
     (contract.kernels.llama_kernels): configs that share a row width, a head_dim or a model width
-    share those kernels, and the runtime finds them by name."""
-    return [KernelRecipe(spec.name, spec.builder, spec.args, {"kind": "llama", "role": role, "dtype": dtype},
-                         spec.buffers)
-            for role, spec in llama_kernels(c, dtype).items()]
+    share those kernels, and the runtime finds them by name. The decode matmuls also in each
+    subgroup build of `subgroup_lanes` (MatmulSpec.subgroup_lanes)."""
+    recipes = {}
+    for lanes in (None, *subgroup_lanes):
+        for role, spec in llama_kernels(c, dtype, lanes).items():
+            recipes[spec.name] = KernelRecipe(spec.name, spec.builder, spec.args,
+                                              {"kind": "llama", "role": role, "dtype": dtype}, spec.buffers,
+                                              subgroups=getattr(spec, "subgroup_lanes", None) is not None)
+    return list(recipes.values())
 
 
 def all_recipes() -> list[KernelRecipe]:
@@ -177,11 +182,11 @@ def all_recipes() -> list[KernelRecipe]:
                 recipes.append(prefill_attention_recipe(shape, dtype))
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
-            recipes += llama_recipes(config, dtype)
+            recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
     served_shapes = set(BENCH_SHAPES + MODEL_SHAPES)
     for name, config in SYNTHETIC_CONFIGS.items():
         for dtype in SYNTHETIC_DTYPES:
-            recipes += llama_recipes(config, dtype)
+            recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
             if config.attention_shape not in served_shapes:  # Llama 3's 1B and 8B shapes are benchmark shapes
                 recipes += attention_recipes(config.attention_shape, dtype)
                 if config.head_dim <= 128:
@@ -257,9 +262,15 @@ TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "l
                        "quad_residual": (16384, 96, True, False, False)}
 
 
-def prefill_matmul_test_name(flags: str, dtype: str) -> str:
+# The decode matmuls' subgroup builds the tests run (MatmulSpec.subgroup_lanes), each where the
+# adapter's subgroups hold it: 8 lanes, the subgroup size of lavapipe on a 256-bit CPU (the tiny test
+# model runs it too), and the served artifact's 32 (GPUs: the H200).
+TEST_MATMUL_SUBGROUP_LANES = (8, SERVED_MATMUL_SUBGROUP_LANES)
+
+
+def prefill_matmul_test_name(flags: str, dtype: str, subgroup_lanes: int | None = None) -> str:
     prefix = "test_decode_matmul" if flags in TEST_DECODE_MATMULS else "test_prefill_matmul"
-    return f"{prefix}_{flags}_{DTYPE_TAGS[dtype]}"
+    return f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}_{DTYPE_TAGS[dtype]}"
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -275,11 +286,11 @@ def grid_shape(head_dim: int, group: int) -> AttentionShape:
     return AttentionShape(kv_heads, kv_heads * group, head_dim)
 
 
-def test_matmul_spec(flags: str, dtype: str) -> MatmulSpec:
+def test_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None) -> MatmulSpec:
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, residual=residual, norm_eps=1e-5 if norm else None,
-                      swiglu=swiglu, tiled=not decode)
+                      swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes)
 
 
 TEST_SYNTHETIC_SHAPES = ("llama_3_2_1b", "llama_3_1_8b")
@@ -299,16 +310,18 @@ def test_recipes() -> list[KernelRecipe]:
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
-            spec = test_matmul_spec(flags, dtype)
-            recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype), spec.builder, spec.args,
-                                        {"kind": "test_matmul", "dtype": dtype}, spec.buffers))
+            for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES) if flags in TEST_DECODE_MATMULS else (None,):
+                spec = test_matmul_spec(flags, dtype, lanes)
+                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes), spec.builder, spec.args,
+                                            {"kind": "test_matmul", "dtype": dtype}, spec.buffers,
+                                            subgroups=lanes is not None))
     # TVM's kernel with a window (test_tiled_with_inline_rope_and_window)
     recipes.append(attention_recipe(AttentionSpec("tiled", AttentionShape(1, 4, 128), "float32", True), "tiled"))
     for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny model
         for dtype in DTYPES:
             recipes += attention_recipes(config.attention_shape, dtype)
             recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
-            recipes += llama_recipes(config, dtype)
+            recipes += llama_recipes(config, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])
     # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills
     for name in TEST_SYNTHETIC_SHAPES:
         config = SYNTHETIC_CONFIGS[name]

@@ -117,6 +117,14 @@ def quantized_matmul(spec: MatmulSpec):
     lane partials of each (row, token) meet in workgroup memory behind one barrier.
     (A barrier-free one-row-per-invocation variant was measured no faster on lavapipe.)
 
+    With `spec.subgroup_lanes` (S), each S neighbouring lanes first add up their partials with
+    subgroup shuffles (`subgroupShuffleDown`, so lane 0 of the S holds their sum: right wherever
+    subgroups hold whole, aligned runs of S invocations, as the host checks), and only 32 / S
+    partials a row go through workgroup memory. On the H200 (S = 32) that took the 8B shape's decode
+    step 4.52 -> 3.76 ms, most of it in the gate/up, qkv and head matmuls (docs/benchmarks.md). Which
+    part pays (fewer workgroup-memory stores, or the epilogue's 1 serial term a row instead of 32)
+    was not separated.
+
     With `norm_eps`, x is RMS-normalized with weight `norm` first. Since
     norm(x) @ W^T = inv_rms(x) * (x @ (W * norm)^T), the lanes scale each dequantized weight by
     `norm`, the lanes of row 0 also sum x^2 over the same words, and the epilogue scales the row's
@@ -180,6 +188,11 @@ def quantized_matmul(spec: MatmulSpec):
     assert not merges or (in_features % MD == 0 and TOKENS == 1)
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
+    # subgroup_lanes: the lanes whose partials meet by shuffles; 1 without subgroups
+    SUBGROUP_LANES = spec.subgroup_lanes or 1
+    SHUFFLE_STEPS = SUBGROUP_LANES.bit_length() - 1
+    assert SUBGROUP_LANES == 1 << SHUFFLE_STEPS and LANES % SUBGROUP_LANES == 0
+    LANE_SUMS = LANES // SUBGROUP_LANES  # the partials of a (row, token) that meet in workgroup memory
 
     COMPILED_ROWS = spec.compiled_rows  # W's rows where they are compiled in (the up rows' offset)
 
@@ -338,20 +351,32 @@ def quantized_matmul(spec: MatmulSpec):
                                                 if normed:
                                                     if r == 0:  # every row reads the same x: one row sums it
                                                         squares[j] = squares[j] + xv * xv
-                            for p in T.unroll(ROWS_PER_THREAD):
-                                for j in T.unroll(TOKENS):
-                                    partial[((p * ROWS + r) * TOKENS + j) * LANES + lane] = acc[p * TOKENS + j]
-                            for j in T.unroll(TOKENS):
+                            # each S lanes' sums meet in lane 0 of the S (in uniform control flow: every row
+                            # shuffles its squares, zero but in row 0)
+                            for k in T.unroll(SHUFFLE_STEPS):
+                                for a in T.unroll(ROWS_PER_THREAD * TOKENS):
+                                    acc[a] = acc[a] + T.webgpu.subgroup_shuffle_down(
+                                        acc[a], T.uint32(SUBGROUP_LANES // 2) >> T.uint32(k))
                                 if normed:
-                                    if r == 0:
-                                        partial[DOTS + j * LANES + lane] = squares[j]
+                                    for j in T.unroll(TOKENS):
+                                        squares[j] = squares[j] + T.webgpu.subgroup_shuffle_down(
+                                            squares[j], T.uint32(SUBGROUP_LANES // 2) >> T.uint32(k))
+                            if lane % SUBGROUP_LANES == 0:
+                                for p in T.unroll(ROWS_PER_THREAD):
+                                    for j in T.unroll(TOKENS):
+                                        partial[((p * ROWS + r) * TOKENS + j) * LANES + lane] = acc[p * TOKENS + j]
+                                for j in T.unroll(TOKENS):
+                                    if normed:
+                                        if r == 0:
+                                            partial[DOTS + j * LANES + lane] = squares[j]
                             if lane < TOKENS:
                                 if tok0 + lane < n:
                                     for p in T.unroll(COLUMNS_PER_THREAD):
                                         total[0] = T.float32(0)
                                         total[1] = T.float32(0)
                                         total[2] = T.float32(0)
-                                        for l in T.serial(LANES):
+                                        for ls in T.serial(LANE_SUMS):
+                                            l: T.let[T.int32] = ls * SUBGROUP_LANES  # a lane that holds a sum
                                             total[0] = total[0] + partial[((dot_row(p) * ROWS + r) * TOKENS + lane) * LANES + l]
                                             if normed:
                                                 total[1] = total[1] + partial[DOTS + lane * LANES + l]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from convert.weights import dequant_q4, pack_q4
-from kernels.catalog import (TEST_DECODE_MATMULS, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, prefill_matmul_test_name,
-                             test_matmul_spec as matmul_spec_of)
+from kernels.catalog import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION,
+                             TEST_PREFILL_MATMULS, prefill_matmul_test_name, test_matmul_spec as matmul_spec_of)
 from model_glue.kernel import evaluate
 from kernels.prefill_attention import prefill_layout
 from contract.kernels import PAGE_SIZE, AttentionSpec
@@ -116,17 +116,27 @@ def random_q4(rng, rows, cols):
     return pack_q4(codes), scale, minv
 
 
-@pytest.mark.parametrize("flags", [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS])
+MATMUL_CASES = [(flags, None) for flags in TEST_PREFILL_MATMULS] + [
+    (flags, lanes) for flags in TEST_DECODE_MATMULS for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES)]
+
+
+@pytest.mark.parametrize("flags,subgroup_lanes", MATMUL_CASES,
+                         ids=[f"{flags}{f'-sg{lanes}' if lanes else ''}" for flags, lanes in MATMUL_CASES])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
+def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, subgroup_lanes, dtype):
     """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile (the tiled
     prefill matmul), and the decode matmul on rows of 96-4,096 weights, with one, two and four weight
-    rows a thread (the grid says which: each doubling halves the workgroups)."""
+    rows a thread (the grid says which: each doubling halves the workgroups), its lanes' partials
+    meeting in workgroup memory or first S at a time by subgroup shuffles (where the adapter's
+    subgroups hold S)."""
     skip_without_f16(gpu, dtype)
+    if subgroup_lanes and not (gpu.subgroup_min_size and subgroup_lanes <= gpu.subgroup_min_size):
+        pytest.skip(f"{gpu.adapter_name}'s subgroups ({gpu.subgroup_min_size or 'none'}) hold no run of "
+                    f"{subgroup_lanes} lanes")
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
-    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype)))
-    spec = matmul_spec_of(flags, dtype)  # out_features and eps are the kernel's runtime values
+    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype, subgroup_lanes)))
+    spec = matmul_spec_of(flags, dtype, subgroup_lanes)  # out_features and eps are the kernel's runtime values
     if decode:
         rows_per_thread = {"paired": 2, "quad": 4}.get(flags.split("_")[0], 1)
         columns = out_features // 2 if swiglu else out_features
