@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import llama_kernels
+from contract.kernels import MATMUL_SUBGROUP_LANES, llama_kernels, matmul_subgroup_lanes
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
@@ -134,7 +134,10 @@ class _Loader:
         self.dtype = dtype or ("float16" if device.has_f16 else "float32")
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
-        self.specs, self.attention = runnable_kernels(library, config, self.dtype, device)
+        self.specs, self.attention = runnable_kernels(library, config, self.dtype, device,
+                                                      self.options.matmul_subgroups)
+        self.options = dataclasses.replace(self.options,
+                                           matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None)
         self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]
         _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
@@ -202,11 +205,33 @@ def _compiled_for(role: str, c: LlamaConfig) -> str:
     return f"dim {c.dim}"
 
 
-def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None) -> dict:
+def pick_matmul_subgroup_lanes(library, config: LlamaConfig, dtype: str, device, wanted: bool | None) -> int | None:
+    """The decode matmuls' subgroup build (MatmulSpec.subgroup_lanes) this device runs: the widest
+    whose lanes fit the adapter's smallest subgroup (subgroups fill in invocation order, so such
+    runs of lanes sit in one subgroup) and whose kernels the artifact has for this model; None if
+    there is none or `wanted` is False. With `wanted` True, none is a ModelError saying why."""
+    if wanted is False:
+        return None
+    smallest = device.subgroup_min_size if device is not None else None
+    for lanes in MATMUL_SUBGROUP_LANES:
+        if smallest and lanes <= smallest and all(
+                spec.name in library.specs for spec in llama_kernels(config, dtype, lanes).values()):
+            return lanes
+    if wanted:
+        raise ModelError("matmul_subgroups was asked for, but " + (
+            "this adapter has no subgroups" if not smallest else
+            f"the kernel artifact has no subgroup build of this model's decode matmuls that fits this adapter's "
+            f"subgroups of {smallest} (one of {', '.join(str(n) for n in MATMUL_SUBGROUP_LANES if n <= smallest)} "
+            "lanes)"))
+    return None
+
+
+def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None) -> dict:
     """role -> spec (contract.kernels.llama_kernels) of every model kernel the forward pass may run,
     each present in the artifact: kernels are compiled for row widths and head_dim, not for a model,
-    so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing."""
-    specs = llama_kernels(config, dtype)
+    so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing. The
+    decode matmuls are the subgroup build `pick_matmul_subgroup_lanes` picks, if any."""
+    specs = llama_kernels(config, dtype, pick_matmul_subgroup_lanes(library, config, dtype, device, matmul_subgroups))
     unfit = [f"{role} ({why})" for role, spec in specs.items() if (why := spec.unsupported())]
     if unfit:
         raise ModelError(f"this model's sizes do not fit the kernels' grids: {'; '.join(unfit)}")
@@ -226,10 +251,12 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None) ->
                      f"{', ...' if len(set(missing.values())) > 3 else ''}); shapes with kernels: {', '.join(served)}")
 
 
-def runnable_kernels(library, config: LlamaConfig, dtype: str, device) -> tuple[dict, AttentionKernels]:
+def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
+                     matmul_subgroups: bool | None = None) -> tuple[dict, AttentionKernels]:
     """The model kernels' specs and the attention kernels that run `config` on this device, or a
     ModelError naming what the artifact lacks (before any weight is read)."""
-    return model_kernel_specs(library, config, dtype, device), _attention_kernels(library, config, dtype, device)
+    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups),
+            _attention_kernels(library, config, dtype, device))
 
 
 def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> AttentionKernels:

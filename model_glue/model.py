@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import o_merges_splits
+from contract.kernels import matmul_subgroup_lanes, o_merges_splits
 from model_glue.attention import AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -69,6 +69,7 @@ class LlamaModel:
         # values are runtime values)
         self.kernel_names = {role: spec.name for role, spec in kernel_specs.items()}
         self.kernel_values = {role: spec.values for role, spec in kernel_specs.items()}
+        self.matmul_subgroup_lanes = matmul_subgroup_lanes(kernel_specs)  # lanes reduced by shuffles, or None
         self.kernels: dict = {}  # role -> Kernel, compiled for the roles the options use (`compile_roles`)
         self.attention = attention  # the artifact's attention kernels that run this shape here
         self._attention_compiled: dict = {}  # artifact name -> Kernel (`compile_attention`)

@@ -2,8 +2,8 @@
 
 The page (or a benchmark, a test, the CLI) builds it; `ChatSession.reply` and `generate` pass it
 on unchanged; `LlamaModel.use` checks it against the loaded model and makes it the options of the
-passes that follow. `max_context` is chosen at load (it sizes the KV cache); every other field may
-change per request. A None field means "this adapter's default" (`resolved`).
+passes that follow. `max_context` (it sizes the KV cache) and `matmul_subgroups` (which kernels
+compile) are chosen at load; every other field may change per request. A None field means "this adapter's default" (`resolved`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class RunOptions:
     # fewer) rather than by the merge kernel. None: where contract.kernels.o_merges_splits says it pays
     # (the o workgroups' reads of the states stay small); True: always; False: never.
     merge_in_o: bool | None = None
+    # The decode matmuls' subgroup builds (lanes' partials added by shuffles; contract.kernels.
+    # MatmulSpec.subgroup_lanes). None: where this adapter's subgroups fit a build the artifact has;
+    # True: required; False: never (benchmarks compare the two). Load time only.
+    matmul_subgroups: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -86,8 +90,8 @@ class RunOptions:
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
         if not isinstance(self.replay, bool) or any(getattr(self, f) not in (None, True, False)
-                                                    for f in ("fold_norms", "warm_up", "merge_in_o")):
-            raise ModelError("replay, fold_norms, warm_up and merge_in_o are true or false")
+                                                    for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups")):
+            raise ModelError("replay, fold_norms, warm_up, merge_in_o and matmul_subgroups are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -113,6 +117,9 @@ class RunOptions:
         if request.max_context not in (None, self.max_context):
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
+        if request.matmul_subgroups not in (None, self.matmul_subgroups):
+            raise ModelError(f"matmul_subgroups is chosen when the model loads ({self.matmul_subgroups}); "
+                             f"load it again for {request.matmul_subgroups}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o") if getattr(request, f) is not None})
 
