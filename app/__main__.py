@@ -129,6 +129,9 @@ def main(argv=None) -> int:
                           "auto:one-pass (no step times attention: each is one compute pass), auto:every-N "
                           "(one step in N timed), auto:merge-apart / auto:merge-in-o (a split call's merge as "
                           "its own dispatch / always in the o-projection); parts join with '+'")
+    dec.add_argument("--matmul-subgroups", choices=["auto", "on", "off"], default="auto",
+                     help="the decode matmuls' subgroup builds (lanes' partials added by shuffles): where "
+                          "the adapter fits one (auto), required (on) or never (off)")
     dec.add_argument("--sample", action="store_true",
                      help="also time auto with GPU sampling (top-k 40, top-p 0.95) instead of the argmax")
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)

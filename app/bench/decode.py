@@ -30,10 +30,14 @@ async def run_decode_bench(args) -> dict:
     # The KV cache holds the longest of: each context's prompt and the steps + 1 tokens it generates
     # (the run asks for steps + 1: the first comes from the prefill), and the warm-up's own run.
     max_context = max(max(args.contexts) + args.steps + 1, WARMUP_PROMPT + WARMUP_NEW_TOKENS)
-    device, library, model, weights = await bench_model(args, RunOptions(max_context=max_context))
+    subgroups = {"auto": None, "on": True, "off": False}[getattr(args, "matmul_subgroups", "auto")]
+    device, library, model, weights = await bench_model(args, RunOptions(max_context=max_context,
+                                                                         matmul_subgroups=subgroups))
+    lanes = model.matmul_subgroup_lanes
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
-          f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}", flush=True)
+          f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}; decode matmuls' lanes "
+          f"{f'reduced by subgroup shuffles, {lanes} at a time' if lanes else 'meet in workgroup memory'}", flush=True)
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
@@ -109,7 +113,8 @@ async def run_decode_bench(args) -> dict:
                   f"{step_ms:>8.2f} {encode_ms:>9.3f} {ms(gpu_ms, 3):>7} {ms(attn_ms, 3):>8} "
                   f"{','.join(map(str, row['dispatches'])):>10} {','.join(row['nests']):>16} "
                   f"{ms(prefill_gpu, 1):>9}/{ms(prefill_attn, 1):<9}", flush=True)
-    result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
+    result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "matmul_subgroup_lanes": lanes,
+              "rows": rows}
     if getattr(args, "profile", False):
         if not device.has_timestamps:
             raise SystemExit("--profile needs an adapter with timestamp-query")
