@@ -102,9 +102,14 @@ PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefil
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
 # is cheaper. Fitted to the H200 (docs/benchmarks.md, one pass, GPU ms a step, merged in o vs apart):
 # SmolLM2 at S = 4..32 (0.7-5.3 MB read) 5% faster; the 1B shape at S = 4 and 8 (8.4, 16.8 MB) 1%;
-# at S = 16 (33.6 MB) even.
+# at S = 16 (33.6 MB) even (all before the decode matmuls' subgroup builds).
 O_MERGE_MAX_READ = 16 << 20
-O_MERGE_MAX_X_BYTES = 8192  # the merged x (f32) in workgroup memory, beside the lanes' partial dots
+# ... and while x is at most this wide: one 4-wide chunk of x a thread (256 threads x 4), which each
+# thread merges before its weight loads start. With the subgroup builds on the H200 (one device call,
+# one pass, two rounds) the 1B shape (2,048: two chunks a thread) ran 7-8% slower merged in o than
+# apart at every S (2, 4, 8, 16: 1.02-1.07 ms a step against 0.95-0.99), likely that longer prologue;
+# SmolLM2 (576) still 4-5% faster (S = 16, 32). The merged x (f32) then fits workgroup memory too.
+O_MERGE_MAX_X = 4 * 256
 
 
 # What a model kernel is compiled for, and what it reads as runtime values (its PODArgs), so that
@@ -366,11 +371,11 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
 def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
     """Whether a decode step whose attention is split `num_splits` ways merges the partial states in
     the o-projection (o_residual_merge_decode) rather than in a merge dispatch: every o workgroup
-    reads all of them (heads x S x head_dim f32), so only while that stays small beside a dispatch;
-    and the merged x must fit its workgroup memory."""
+    reads all of them (heads x S x head_dim f32), so only while that stays small beside a dispatch,
+    and each of its threads merges at most one chunk of x (O_MERGE_MAX_X)."""
     spec = o_merge_spec(c, dtype)
     read = spec.workgroups * c.n_heads * num_splits * c.head_dim * 4
-    return num_splits > 1 and spec.in_features * 4 <= O_MERGE_MAX_X_BYTES and read <= O_MERGE_MAX_READ
+    return num_splits > 1 and spec.in_features <= O_MERGE_MAX_X and read <= O_MERGE_MAX_READ
 
 
 def o_merge_spec(c: LlamaConfig, dtype: str) -> MatmulSpec:
