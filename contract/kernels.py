@@ -109,7 +109,7 @@ O_MERGE_MAX_READ = 16 << 20
 # one pass, two rounds) the 1B shape (2,048: two chunks a thread) ran 7-8% slower merged in o than
 # apart at every S (2, 4, 8, 16: 1.02-1.07 ms a step against 0.95-0.99), likely that longer prologue;
 # SmolLM2 (576) still 4-5% faster (S = 16, 32). The merged x (f32) then fits workgroup memory too.
-O_MERGE_MAX_X = 4 * 256
+O_MERGE_MAX_X = 4 * MATMUL_ROWS * 32  # a 4-wide chunk for each of the workgroup's 8 x 32 threads
 
 
 # What a model kernel is compiled for, and what it reads as runtime values (its PODArgs), so that
