@@ -8,7 +8,7 @@ one lives; `StepStats.add_gpu_times` turns the ticks into milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 def stamp_count(n_layers: int) -> int:
@@ -74,7 +74,9 @@ class StepStats:
         self.timing_note = "; ".join(note for note in (self.timing_note, quantized) if note)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Every field is a number or a string: no deep copy (dataclasses.asdict) is needed, and in
+        # the page this runs once a decode step (the overlay's row).
+        return {name: getattr(self, name) for name in STEP_FIELDS}
 
 
 STEP_FIELDS = tuple(f.name for f in fields(StepStats))
