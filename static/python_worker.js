@@ -8,10 +8,11 @@
 // handles (the Session, the ChatSession) stay here; the page only ever sees JSON.
 import { loadPyodide } from "./pyodide/pyodide.mjs";
 import { CALLS, HOOKS_PATH } from "./page_api.js";
-import { replayComputePasses } from "./replay.js";
+import { mapForReading, replayComputePasses } from "./replay.js";
 import { CACHE_NAME as WEIGHTS_CACHE, GGUF_CACHE_BASE, loadWeights } from "./weights_cache.js";
 
 globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserDevice replays passes with
+globalThis.mapForReading = mapForReading;  // and asks for its readbacks' maps with
 
 let pyodide = null;
 let page = null;  // the chat.page module: every call goes through it

@@ -22,3 +22,14 @@ export function replayComputePasses(encoder, ops, grids) {
     }
   }
 }
+
+// Asks for a readback buffer's map (GPUMapMode.READ) and handles a rejection here, in JS: the map
+// of a pass that is abandoned is cancelled by unmap() and rejects unseen. Python awaits the
+// promise it returns when it wants the bytes. (A .catch() attached from Python would go through
+// Pyodide's futures: three more trips through the worker's event loop every decode step.)
+export function mapForReading(buffer, size) {
+  const mapped = buffer.mapAsync(GPUMapMode.READ, 0, size);
+  mapped.catch(() => {});
+  return mapped;
+}
+

@@ -414,3 +414,39 @@ def test_the_overlay_shows_what_ran_last_and_covers_nothing(tab):
             tab.screenshot(path=str(SCREENSHOTS / f"layout-{width}.png"), full_page=True)
     finally:
         tab.set_viewport_size({"width": 1280, "height": 900})
+
+
+# Counts the worker's event-loop trips (Pyodide's WebLoop.call_later: each is a task through the
+# browser's event loop) over a generation of `tokens`, the passes replayed in JS.
+EVENT_LOOP_TRIPS = """
+import asyncio
+from model_glue.generate import generate
+model = chat.model
+loop_type = type(asyncio.get_event_loop())
+counted = loop_type.call_later
+trips = [0]
+def counting(self, *args, **kwargs):
+    trips[0] += 1
+    return counted(self, *args, **kwargs)
+model.reset()
+loop_type.call_later = counting
+try:
+    run = await generate(model, [1, 5, 9, 13, 17], max_new_tokens=values["tokens"])
+finally:
+    loop_type.call_later = counted
+    model.reset()
+[trips[0], run.decode_steps, model.replayed_by]
+"""
+
+
+def test_a_decode_step_takes_two_trips_through_the_workers_event_loop(tab):
+    """Structure, not speed: in the page a decode step's id is awaited once (two trips through the
+    worker's event loop: the map's promise, then the task's wakeup) and its passes are replayed in
+    one call into JS. A rejection handler attached to the map from Python took three more trips a
+    step (5 in all), which at 1 ms a step left the 1B shape's GPU waiting on the H200."""
+    runs = [tab.evaluate("(tokens) => window.demo.python(code, {tokens})".replace("code", json.dumps(EVENT_LOOP_TRIPS)),
+                         tokens) for tokens in (2, 5)]
+    (short_trips, short_steps, replayed), (long_trips, long_steps, _) = runs
+    assert (short_steps, long_steps) == (1, 4) and replayed == ["BrowserRecordedPasses"]
+    assert (long_trips - short_trips) / (long_steps - short_steps) <= 2, runs
+    tab.click("#new-chat")  # the chat's cache was emptied
