@@ -21,18 +21,20 @@ from model_glue.errors import ModelError
 # and smaller chunks keep the stop button responsive there.
 GPU_PREFILL_CHUNK = 4096
 CPU_PREFILL_CHUNK = 256
-# Decode steps in flight at once. With 2, the host reads step t's id while step t+1 runs; but the
-# page learns of a finished step a while after it ends (mapAsync goes through Chromium's GPU
-# process), and a step of SmolLM2 on an H200 takes ~1.5 ms, so with 2 the GPU waited for the host
-# every step. In Chromium on the H200 at ~1,550 tokens (docs/benchmarks.md) 3 gave 402-575 tok/s
-# and 4 539-628 over three page loads; a stop discards the steps already in flight.
-DEFAULT_PIPELINE_DEPTH = 4
+# Decode steps in flight at once. The page learns of a finished step a while after it ends (mapAsync
+# goes through Chromium's GPU process): on the H200, from a step's end on the GPU to the host's next
+# submission starting there is ~2.2 ms (the GPU's gap between passes at depth 2, against 0.035 ms
+# when it never waits). The steps queued behind the one being read must cover that and the host's
+# occasional longer pauses: at depth 4 the 1B shape's steps (1 ms) still stalled now and then
+# (gaps up to 0.8 ms, one run in three at 764 instead of ~930 tok/s); at 6 and 8 none did (941-947
+# tok/s at 3,060 tokens, in one page load; docs/benchmarks.md). A stop discards the steps in flight.
+DEFAULT_PIPELINE_DEPTH = 6
 # Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
 # Measured on the H200 (docs/benchmarks.md, natively): SmolLM2 at 1,536 tokens 1.166 ms a step in one
 # pass, 1.643 with every layer's attention timed (61 passes), 1.234 with one step in 8 timed: 5.8% over
 # one pass (the 1B shape 3.5%, the 8B 1.8%), above issue 25's 5% bar; hence one in 16.
 ATTENTION_TIMING_EVERY = 16
-MAX_PIPELINE_DEPTH = 4  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
+MAX_PIPELINE_DEPTH = 8  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 
 @dataclass(frozen=True)

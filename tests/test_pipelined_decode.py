@@ -8,7 +8,7 @@ from convert.weights import write_random_artifact
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
 from model_glue.generate import STOPPED_BY_USER, generate
-from model_glue.options import ATTENTION_TIMING_EVERY, DEFAULT_PIPELINE_DEPTH, RunOptions
+from model_glue.options import ATTENTION_TIMING_EVERY, DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH, RunOptions
 from test_model import load
 
 TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
@@ -36,7 +36,7 @@ def one_step_at_a_time(loop, model, prompt, steps):
     return ids
 
 
-@pytest.mark.parametrize("depth", [2, 3, 4])
+@pytest.mark.parametrize("depth", [2, 3, 4, MAX_PIPELINE_DEPTH])
 def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
     want = one_step_at_a_time(loop, tiny, PROMPT, 20)
     got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=21, options=RunOptions(pipeline_depth=depth)))
