@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from model_glue.options import MAX_PIPELINE_DEPTH
-from model_glue.step_stats import StepStats
+from model_glue.step_stats import PassStamps, StepStats
 
 STAMPS_OFFSET = 8  # a pass's readback: the chosen id (4 bytes, padded), then its raw timestamps
 
@@ -27,6 +27,7 @@ class PendingPass:
     stats: StepStats  # filled in when it finishes (timings)
     started: float  # perf_counter() when its encoding began
     attention_timed: bool = True  # each layer's attention had timestamps (RunOptions.time_attention_every)
+    queued_behind: bool = False  # another pass was in flight when it was submitted (StepStats.gpu_gap_ms)
 
 
 class PassPipeline:
@@ -40,6 +41,7 @@ class PassPipeline:
         self.in_flight: list[PendingPass] = []
         self._submitted = 0
         self.last_finish = 0.0  # perf_counter() when the last id arrived
+        self._last_pass_end_ns: int | None = None  # the last finished pass's end (timestamps)
 
     def check_room(self, depth: int) -> None:
         if len(self.in_flight) >= depth:
@@ -58,7 +60,8 @@ class PassPipeline:
         self.device.start_read(staging, self.readback_bytes)  # mapped once the pass is done
         stats.encode_ms = round((time.perf_counter() - started) * 1e3, 3)
         stats.dispatches = batch.dispatches
-        step = PendingPass(staging, stats.tokens, start, input_on_gpu, stats, started, attention_timed)
+        step = PendingPass(staging, stats.tokens, start, input_on_gpu, stats, started, attention_timed,
+                           queued_behind=bool(self.in_flight))
         self.in_flight.append(step)
         return step
 
@@ -79,6 +82,11 @@ class PassPipeline:
         now = time.perf_counter()
         stats = step.stats
         stats.add_gpu_times(ticks, n_layers, step.attention_timed)
+        if ticks is not None:
+            at = PassStamps(n_layers)
+            if step.queued_behind and self._last_pass_end_ns is not None:
+                stats.gpu_gap_ms = max(ticks[at.pass_begin] - self._last_pass_end_ns, 0) / 1e6
+            self._last_pass_end_ns = ticks[at.pass_end]
         stats.wait_ms = round((now - waited) * 1e3, 3)
         # Pipelined steps overlap: a step's time runs from when the previous id arrived (or from its
         # own start, if that is later) to when its own id arrives.
@@ -91,3 +99,4 @@ class PassPipeline:
         for step in self.in_flight:
             self.device.cancel_read(step.staging)
         self.in_flight.clear()
+        self._last_pass_end_ns = None

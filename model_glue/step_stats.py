@@ -54,6 +54,11 @@ class StepStats:
     # How long the host waited for the pass's id. At steady state above 0: the host keeps up and the
     # GPU is the bound; near 0 with step_ms above gpu_ms: the host is, and the GPU waits for it.
     wait_ms: float = 0.0
+    # How long the GPU sat idle before this pass: from the previous pass's last dispatch to this
+    # one's first (timestamps). Near the 0.035 ms a submission boundary costs on an H200: the GPU
+    # had the pass queued. Higher: it waited for the host (or the browser's GPU process). None
+    # without timestamps, and for a pass submitted when none was in flight (the gap is then idle time).
+    gpu_gap_ms: float | None = None
 
     def add_gpu_times(self, ticks: list[int] | None, n_layers: int, attention_timed: bool = True) -> None:
         """Fill attention_ms and gpu_ms from the pass's raw timestamps (ns), or say why there are none.

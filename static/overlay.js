@@ -61,10 +61,12 @@ function drawLastStep() {
   const attn = timed === null ? "n/a" : timed === stats ? `${stats.attention_ms.toFixed(3)} ms`
     : `${timed.attention_ms.toFixed(3)} ms (sampled at ctx ${timed.context})`;
   const gpu = stats.gpu_ms === null ? "n/a" : `${stats.gpu_ms.toFixed(2)} ms`;
+  // The GPU's idle time before the pass: near zero while the host keeps it fed.
+  const idle = stats.gpu_gap_ms === null ? "" : ` · GPU idle ${stats.gpu_gap_ms.toFixed(2)} ms before it`;
   $("overlay-last").textContent =
     `${stats.kind} · ctx ${stats.context} · ${stats.kernel} · attn ${attn} · GPU ${gpu} · ` +
     `encode ${stats.encode_ms.toFixed(2)} ms · step ${stats.step_ms.toFixed(1)} ms · ` +
-    `waited ${stats.wait_ms.toFixed(2)} ms for the id · ${stats.dispatches} dispatches`;
+    `waited ${stats.wait_ms.toFixed(2)} ms for the id${idle} · ${stats.dispatches} dispatches`;
   $("overlay-note").textContent = stats.timing_note || "";
   drawOverlayChart();
   $("overlay").hidden = false;

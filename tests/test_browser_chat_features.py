@@ -108,7 +108,7 @@ def test_steps_export_as_csv_and_json(tab):
     with tab.expect_download() as info:
         tab.click("#export-csv")
     lines = Path(info.value.path()).read_text().splitlines()
-    assert lines[0] == "reply,kind,tokens,context,nest,kernel,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,dispatches,wait_ms"
+    assert lines[0] == "reply,kind,tokens,context,nest,kernel,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,dispatches,wait_ms,gpu_gap_ms"
     assert len(lines) == 1 + steps and lines[1].startswith("chat 1,prefill,")
     with tab.expect_download() as info:
         tab.click("#export-json")

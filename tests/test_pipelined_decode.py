@@ -59,6 +59,10 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
         assert len(timed) >= 2
         assert all(s.gpu_ms is not None for s in decode) and all(s.gpu_ms >= s.attention_ms for s in timed)
         assert all(s.timing_note.startswith("attention timed in sampled steps") for s in decode if s not in timed)
+        # The GPU's idle time before a pass, from consecutive passes' timestamps: only for passes
+        # submitted behind another (the first decode step waited for the prompt's id on the host).
+        assert got.stats[0].gpu_gap_ms is None and decode[0].gpu_gap_ms is None
+        assert all(s.gpu_gap_ms is not None and 0 <= s.gpu_gap_ms < 60_000 for s in decode[1:])
 
 
 @pytest.mark.parametrize("stop_after, depth", [(1, 4), (2, 2), (2, 3), (7, DEFAULT_PIPELINE_DEPTH)])
