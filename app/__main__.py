@@ -20,6 +20,16 @@ SWEEP_ARTIFACT = ROOT / "build" / "sweep-kernels"
 TEST_ARTIFACT = ROOT / "build" / "test-kernels"
 
 
+def _page_model(text: str) -> str:
+    """`?model=` of the page benchmark: a served model, or a synthetic shape (contract.model.SYNTHETIC_NAMES)."""
+    from contract.model import SYNTHETIC_NAMES
+
+    if text in ("smollm2", "tiny_chat") or text.removeprefix("synthetic:") in SYNTHETIC_NAMES:
+        return text if text in ("smollm2", "tiny_chat") else "synthetic:" + text.removeprefix("synthetic:")
+    raise argparse.ArgumentTypeError(f"one of smollm2, tiny_chat, synthetic:{{{','.join(SYNTHETIC_NAMES)}}}; "
+                                     f"not {text!r}")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -159,7 +169,9 @@ def main(argv=None) -> int:
                     "turns (TTFT, decode tok/s, median step and GPU ms), Compare nests on the long document "
                     "(identical text or the first divergence, tiled/sharded attention), the host's time to encode "
                     "a decode step. Without --gpu WebGPU runs on SwiftShader (the CPU): use --model tiny_chat.")
-    page.add_argument("--model", default="smollm2", choices=["smollm2", "tiny_chat"])
+    page.add_argument("--model", default="smollm2", type=_page_model,
+                      help="smollm2, tiny_chat or synthetic:SHAPE (e.g. synthetic:llama-3.2-1b: random weights "
+                           "filled on the GPU)")
     # NVIDIA's f16 flag is chat.page.NVIDIA_F16_FLAG (not imported here: `app build` needs no run side;
     # tests/test_page_boundary.py checks this help names it).
     f16_flag = "--enable-dawn-features=vulkan_enable_f16_on_nvidia"
@@ -178,6 +190,11 @@ def main(argv=None) -> int:
     page.add_argument("--steps", type=int,
                       help="decode steps per mode of the encode benchmark (Python vs JS replay; 0: skip it; "
                            "default 8 with --gpu, else 4)")
+    page.add_argument("--depths", type=_int_list,
+                      help="also decode at each of these pipeline depths (steps in flight, e.g. 4,6,8), alternated "
+                           "twice: tok/s, GPU ms and the GPU's idle time between passes")
+    page.add_argument("--depth-context", type=int, default=3060, help="prompt tokens before the depth runs (default 3060)")
+    page.add_argument("--depth-steps", type=int, default=128, help="decode steps per depth run (default 128)")
     page.add_argument("--reload", action=argparse.BooleanOptionalAction,
                       help="a second visit: time to Ready with the weights in the browser's cache (default: with --gpu)")
     page.add_argument("--lab", action="store_true",

@@ -161,6 +161,23 @@ class PageDriver:
         modes["ids_identical"] = modes["python"]["token_ids"] == modes["replay"]["token_ids"]
         return modes
 
+    def depth_sweep(self, steps: int, context: int, depths: list[int], rounds: int = 2) -> dict:
+        """`steps` replayed greedy decode steps after `context` prompt tokens at each pipeline depth,
+        the depths alternated `rounds` times: decode tok/s, median step and GPU ms, and the GPU's idle
+        time between passes (median and mean: a stall shows in the mean)."""
+        runs = {depth: [] for depth in depths}
+        for _ in range(rounds):
+            for depth in depths:
+                run = json.loads(self.tab.evaluate(
+                    "([steps, context, depth]) => window.demo.python('await page.decode_encode_benchmark(chat, "
+                    "values[\"steps\"], True, values[\"context\"], values[\"depth\"])', {steps, context, depth})",
+                    [steps, context, depth]))
+                gaps = [g for g in run["gpu_gap_ms"] if g is not None]
+                runs[depth].append({"decode_tok_s": run["decode_tok_s"], "step_median_ms": _median(run["step_ms"]),
+                                    "gpu_median_ms": _median(run["gpu_ms"]), "gap_median_ms": _median(gaps),
+                                    "gap_mean_ms": sum(gaps) / len(gaps) if gaps else None})
+        return {"context": context, "steps": steps, "runs": runs}
+
     def lab(self, contexts: list[int] | None, iters: int | None) -> dict:
         """The kernel lab (?model=off), as its Run button runs it: every row f64-checked, then timed;
         contexts and iterations default to the page's for this adapter. Its export's fields."""
@@ -229,6 +246,14 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
         rows.append(("encode a decode step: Python / JS replay",
                      f"{e['python']['encode_median_ms']:.3f} / {e['replay']['encode_median_ms']:.3f} ms (median); "
                      f"ids identical: {e['ids_identical']}"))
+    if "depths" in result:
+        d = result["depths"]
+        for depth, runs in d["runs"].items():
+            rows.append((f"decode at {d['context']:,} tokens, {depth} steps in flight",
+                         "; ".join(f"{_num(r['decode_tok_s'])} tok/s, step {_num(r['step_median_ms'], 2, ' ms')}, "
+                                   f"GPU {_num(r['gpu_median_ms'], 3, ' ms')}, GPU idle between passes "
+                                   f"{_num(r['gap_median_ms'], 3)} / {_num(r['gap_mean_ms'], 3, ' ms')} (median / mean)"
+                                   for r in runs)))
     tasks = result["long_tasks"]
     rows.append(("main-thread long tasks (> 50 ms)", f"{tasks['count']} (worst {tasks['worst_ms']:.0f} ms)"))
     return rows
@@ -284,7 +309,7 @@ def run_page_bench(args) -> dict:
                 for visit in range(visits):
                     load = page.load()
                     result["loads"].append(load)
-                    say(f"visit {visit + 1}: Ready in {load['ready_s']:.2f} s (weights: {load['weights']['source']})")
+                    say(f"visit {visit + 1}: Ready in {load['ready_s']:.2f} s (weights: {(load['weights'] or {}).get('source')})")
                 result.update(adapter=load["device"]["adapter"], dtype=load["dtype"], device=load["device"])
                 say(f"page {url}\nadapter: {result['adapter']} ({load['device']['backend']}), {result['dtype']} kernels")
                 result["short"] = page.reply(SHORT_PROMPT, tokens["short"])
@@ -298,6 +323,8 @@ def run_page_bench(args) -> dict:
                 say("comparison done")
                 if tokens["steps"]:
                     result["encode"] = page.encode_benchmark(tokens["steps"])
+                if args.depths:
+                    result["depths"] = page.depth_sweep(args.depth_steps, args.depth_context, args.depths)
                 result["long_tasks"] = page.long_tasks()
             finally:
                 context.close()
