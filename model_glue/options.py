@@ -28,7 +28,10 @@ CPU_PREFILL_CHUNK = 256
 # occasional longer pauses: at depth 4 the 1B shape's steps (1 ms) still stalled now and then
 # (gaps up to 0.8 ms, one run in three at 764 instead of ~930 tok/s); at 6 and 8 none did (941-947
 # tok/s at 3,060 tokens, in one page load; docs/benchmarks.md). A stop discards the steps in flight.
-DEFAULT_PIPELINE_DEPTH = 6
+# A CPU rasterizer's step takes 100s of ms, far beyond that round trip: it keeps 4, as before (more
+# steps in flight would only add work a stop throws away).
+GPU_PIPELINE_DEPTH = 6
+CPU_PIPELINE_DEPTH = 4
 # Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
 # Measured on the H200 (docs/benchmarks.md, natively): SmolLM2 at 1,536 tokens 1.166 ms a step in one
 # pass, 1.643 with every layer's attention timed (61 passes), 1.234 with one step in 8 timed: 5.8% over
@@ -53,7 +56,7 @@ class RunOptions:
     fold_norms: bool | None = None
     # Prompt tokens per prefill pass. None: GPU_PREFILL_CHUNK on GPUs, CPU_PREFILL_CHUNK on CPU rasterizers.
     prefill_chunk: int | None = None
-    # Decode steps in flight (2..MAX_PIPELINE_DEPTH). None: DEFAULT_PIPELINE_DEPTH.
+    # Decode steps in flight (2..MAX_PIPELINE_DEPTH). None: GPU_PIPELINE_DEPTH on GPUs, CPU_PIPELINE_DEPTH on CPU rasterizers.
     pipeline_depth: int | None = None
     # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds
     # its passes bound (model_glue.loading.warm_up). None: on GPUs, not on CPU rasterizers (seconds there). Load time only.
@@ -106,7 +109,7 @@ class RunOptions:
         return replace(self, max_context=min(self.max_context or context_length, context_length),
                        fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
                        prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK),
-                       pipeline_depth=self.pipeline_depth or DEFAULT_PIPELINE_DEPTH,
+                       pipeline_depth=self.pipeline_depth or (CPU_PIPELINE_DEPTH if is_cpu else GPU_PIPELINE_DEPTH),
                        warm_up=not is_cpu if self.warm_up is None else self.warm_up,
                        time_attention_every=ATTENTION_TIMING_EVERY if self.time_attention_every is None
                        else self.time_attention_every)

@@ -7,7 +7,7 @@ import pytest
 from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
 from contract.attention import LayoutChoice
 from model_glue.errors import ModelError
-from model_glue.options import DEFAULT_PIPELINE_DEPTH, RunOptions
+from model_glue.options import CPU_PIPELINE_DEPTH, GPU_PIPELINE_DEPTH, RunOptions
 
 
 def test_an_nvidia_adapter_without_shader_f16_is_told_why_and_the_flag():
@@ -38,7 +38,8 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
     assert loaded.merged(RunOptions(layout="shards:8")).layout == LayoutChoice("shards", 8)  # parsed once, here
     assert RunOptions.from_json('{"layout": "subgroup:4"}').to_json()["layout"] == "subgroup:4"
     assert loaded.merged(RunOptions(prefill_chunk=37)).prefill_chunk == 37
-    assert loaded.pipeline_depth == DEFAULT_PIPELINE_DEPTH and loaded.merged(RunOptions(pipeline_depth=2)).pipeline_depth == 2
+    assert loaded.pipeline_depth == CPU_PIPELINE_DEPTH and gpu.pipeline_depth == GPU_PIPELINE_DEPTH
+    assert loaded.merged(RunOptions(pipeline_depth=2)).pipeline_depth == 2
     assert gpu.warm_up is True and loaded.warm_up is False  # seconds on a CPU rasterizer
     with pytest.raises(ModelError, match="pipeline_depth must be 2"):
         RunOptions(pipeline_depth=1).check()

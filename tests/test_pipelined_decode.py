@@ -8,7 +8,7 @@ from convert.weights import write_random_artifact
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
 from model_glue.generate import STOPPED_BY_USER, generate
-from model_glue.options import ATTENTION_TIMING_EVERY, DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH, RunOptions
+from model_glue.options import ATTENTION_TIMING_EVERY, GPU_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH, RunOptions
 from test_model import load
 
 TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
@@ -65,7 +65,7 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
         assert all(s.gpu_gap_ms is not None and 0 <= s.gpu_gap_ms < 60_000 for s in decode[1:])
 
 
-@pytest.mark.parametrize("stop_after, depth", [(1, 4), (2, 2), (2, 3), (7, DEFAULT_PIPELINE_DEPTH)])
+@pytest.mark.parametrize("stop_after, depth", [(1, 4), (2, 2), (2, 3), (7, GPU_PIPELINE_DEPTH)])
 def test_a_stop_token_leaves_no_trace_of_the_steps_run_ahead(loop, tiny, stop_after, depth):
     want = one_step_at_a_time(loop, tiny, PROMPT, 12)
     stop = want[stop_after - 1]
