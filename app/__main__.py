@@ -24,8 +24,8 @@ def _page_model(text: str) -> str:
     """`?model=` of the page benchmark: a served model, or a synthetic shape (contract.model.SYNTHETIC_NAMES)."""
     from contract.model import SYNTHETIC_NAMES
 
-    if text in ("smollm2", "tiny_chat") or text.removeprefix("synthetic:") in SYNTHETIC_NAMES:
-        return text if text in ("smollm2", "tiny_chat") else "synthetic:" + text.removeprefix("synthetic:")
+    if text in ("smollm2", "tiny_chat") or (text.startswith("synthetic:") and text.removeprefix("synthetic:") in SYNTHETIC_NAMES):
+        return text
     raise argparse.ArgumentTypeError(f"one of smollm2, tiny_chat, synthetic:{{{','.join(SYNTHETIC_NAMES)}}}; "
                                      f"not {text!r}")
 

@@ -26,8 +26,9 @@ CPU_PREFILL_CHUNK = 256
 # submission starting there is ~2.2 ms (the GPU's gap between passes at depth 2, against 0.035 ms
 # when it never waits). The steps queued behind the one being read must cover that and the host's
 # occasional longer pauses: at depth 4 the 1B shape's steps (1 ms) still stalled now and then
-# (gaps up to 0.8 ms, one run in three at 764 instead of ~930 tok/s); at 6 and 8 none did (941-947
-# tok/s at 3,060 tokens, in one page load; docs/benchmarks.md). A stop discards the steps in flight.
+# (gaps up to 1.5 ms; one run of eight at 764 instead of 910-942 tok/s); at 6 and 8 the worst gap was
+# 0.043 ms (934-947 tok/s at 3,060 tokens; three page loads, two device calls, docs/benchmarks.md).
+# A stop discards the steps in flight.
 # A CPU rasterizer's step takes 100s of ms, far beyond that round trip: it keeps 4, as before (more
 # steps in flight would only add work a stop throws away).
 GPU_PIPELINE_DEPTH = 6

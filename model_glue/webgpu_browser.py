@@ -32,6 +32,9 @@ class BrowserDevice(Device):
         super().__init__(name, features, limits)
         self._device = device
         self._ignore_rejection = None
+        # static/replay.js's map helper, installed by the page's worker before Python starts (looked
+        # up once: each attribute read on `js` is a crossing into JS)
+        self._map_for_reading = getattr(js, "mapForReading", None)
 
     @classmethod
     async def open(cls, limit_caps: dict[str, int] | None = None) -> "BrowserDevice":
@@ -107,8 +110,8 @@ class BrowserDevice(Device):
         # A cancelled map rejects, unseen: static/replay.js's mapForReading handles that in JS. A
         # .catch() from Python builds Pyodide futures whose callbacks take three more trips through
         # the worker's event loop, every decode step (counted in the page: 5 against 2).
-        if getattr(js, "mapForReading", None) is not None:
-            return js.mapForReading(buffer, size)
+        if self._map_for_reading is not None:
+            return self._map_for_reading(buffer, size)
         if self._ignore_rejection is None:  # outside the page's worker: one proxy for every map
             self._ignore_rejection = create_proxy(lambda err: None)
         promise = buffer.mapAsync(MAP_READ, 0, size)

@@ -62,7 +62,7 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
         # The GPU's idle time before a pass, from consecutive passes' timestamps: only for passes
         # submitted behind another (the first decode step waited for the prompt's id on the host).
         assert got.stats[0].gpu_gap_ms is None and decode[0].gpu_gap_ms is None
-        assert all(s.gpu_gap_ms is not None and 0 <= s.gpu_gap_ms < 60_000 for s in decode[1:])
+        assert all(s.gpu_gap_ms is not None and s.gpu_gap_ms >= 0 for s in decode[1:])
 
 
 @pytest.mark.parametrize("stop_after, depth", [(1, 4), (2, 2), (2, 3), (7, GPU_PIPELINE_DEPTH)])
