@@ -39,6 +39,9 @@ ATTENTION_BUFFERS = ATTENTION_INPUTS + ATTENTION_OUTPUTS
 # [B, H_qo, S, D] and [B, H_qo, S, 2], f32. The merge kernel reads them.
 SPLIT_WORKSPACE = ("partial_o", "partial_stats")
 MERGE_BUFFERS = SPLIT_WORKSPACE + ATTENTION_OUTPUTS
+# A decode matmul's x as int8 codes and per-chunk stats (kernels.quantize_x; MatmulSpec.int8_x).
+QUANTIZED_X = ("xq", "xstats")
+QUANTIZED_Y = ("yq", "ystats")  # ... and a matmul's y as them, for the next matmul (MatmulSpec.quantizes_y)
 # The prefill attention kernel's buffers: one sequence's new queries, the layer's pages, the
 # sequence's page ids in order, and the output; scalars `start` (tokens cached before the chunk), sm_scale.
 PREFILL_ATTENTION_BUFFERS = ("q", "pages", "page_ids", "output")
@@ -188,11 +191,22 @@ class MatmulSpec:
     # (a power of two up to 32, or None: none; kernels.llama.quantized_matmul). It runs where the
     # adapter's subgroups hold at least this many invocations (model_glue.loading.pick_matmul_subgroup_lanes).
     subgroup_lanes: int | None = None
+    # A decode q4 matmul whose x comes as int8 codes with per-chunk stats (xq, xstats: made by a
+    # quantize_x dispatch, which also applies the norm's weight or merges a split call) and whose
+    # dots are integer dot products (kernels.llama.quantized_matmul).
+    int8_x: bool = False
+    # The epilogue also writes y's int8 codes and stats (yq, ystats) for the next int8_x matmul, as
+    # its quantize dispatch would: where a workgroup's columns are one 16-value chunk.
+    quantizes_y: bool = False
 
     def __post_init__(self):
         if self.subgroup_lanes is not None and (self.tiled or self.subgroup_lanes not in MATMUL_SUBGROUP_LANES):
             raise ValueError(f"subgroup_lanes is one of {MATMUL_SUBGROUP_LANES} for a decode matmul, "
                              f"not {self.subgroup_lanes}")
+        if self.int8_x and (self.tiled or self.weights != "q4" or self.split_head_dim is not None):
+            raise ValueError("int8_x is for a decode q4 matmul that reads x (the quantizer merges a split call)")
+        if self.quantizes_y and (self.tiled or self.columns_per_group != 16 or self.rope_append or self.argmax_partials):
+            raise ValueError("quantizes_y is for a decode matmul whose workgroup writes one chunk of 16 columns of y")
 
     @property
     def builder(self) -> str:
@@ -201,9 +215,10 @@ class MatmulSpec:
     @property
     def buffers(self) -> tuple[str, ...]:
         outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
-        inputs = SPLIT_WORKSPACE if self.split_head_dim else ("x",)
-        return inputs + ("norm",) * (self.norm_eps is not None) + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
-            + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials
+        inputs = QUANTIZED_X if self.int8_x else SPLIT_WORKSPACE if self.split_head_dim else ("x",)
+        norm = self.norm_eps is not None and not self.int8_x  # the quantizer applies the norm's weight
+        return inputs + ("norm",) * norm + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
+            + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials + QUANTIZED_Y * self.quantizes_y
 
     @property
     def name(self) -> str:
@@ -218,6 +233,7 @@ class MatmulSpec:
             rows = f"_n{self.compiled_rows}{rows}"
         out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
         subgroups = f"_sg{self.subgroup_lanes}" if self.subgroup_lanes else ""
+        subgroups += ("_xi8" if self.int8_x else "") + ("_yi8" if self.quantizes_y else "")
         return (f"matmul_{'prefill' if self.tiled else 'decode'}_{self.weights}_k{self.in_features}{folds}{rows}"
                 f"{subgroups}{out}_{DTYPE_TAGS[self.dtype]}")
 
@@ -311,20 +327,66 @@ LAYER_MATMULS = {
 }
 
 
-def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None) -> dict[str, MatmulSpec | KernelRole]:
+# The decode step's q4 matmuls that have an int8_x form (role + INT8_X_SUFFIX in `llama_kernels`,
+# MatmulSpec.int8_x: x read as int8 codes), and the quantizer dispatch before each (kernels.quantize_x).
+INT8_X_SUFFIX = "_xi8"
+INT8_X_MATMULS = {"norm_qkv_rope_append_decode": "quantize_norm_decode", "o_residual_decode": "quantize_attn_decode",
+                  "norm_gate_up_swiglu_decode": "quantize_norm_decode", "down_residual_decode": "quantize_ffn_decode"}
+
+
+def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
+                  int8_x: bool = False) -> dict[str, MatmulSpec | KernelRole]:
     """role -> spec of every kernel of a model's forward pass, decode attention apart: the runtime
     finds each as `spec.name` in the artifact and dispatches it with `spec.values`. The decode
-    matmuls (the head's included) are the builds for `subgroup_lanes` (MatmulSpec.subgroup_lanes)."""
+    matmuls (the head's included) are the builds for `subgroup_lanes` (MatmulSpec.subgroup_lanes);
+    with `int8_x` each of INT8_X_MATMULS also has its int8_x form (role + INT8_X_SUFFIX) and the
+    quantizers are roles too (a split call's merge then runs in `quantize_merge_decode`); where the
+    gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
+    (MatmulSpec.quantizes_y: no quantizer before down)."""
     roles = _llama_kernels(c, dtype)
-    if subgroup_lanes is None:
+    if subgroup_lanes is not None:
+        roles = {role: replace(spec, subgroup_lanes=subgroup_lanes) if isinstance(spec, MatmulSpec) and not spec.tiled
+                 else spec for role, spec in roles.items()}
+    if not int8_x:
         return roles
-    return {role: replace(spec, subgroup_lanes=subgroup_lanes) if isinstance(spec, MatmulSpec) and not spec.tiled
-            else spec for role, spec in roles.items()}
+    int8_roles = {role + INT8_X_SUFFIX: replace(roles[role], int8_x=True) for role in INT8_X_MATMULS}
+    gate_up = "norm_gate_up_swiglu_decode" + INT8_X_SUFFIX
+    if int8_roles[gate_up].columns_per_group == 16:  # a workgroup's columns are one chunk: it quantizes y for down
+        int8_roles[gate_up] = replace(int8_roles[gate_up], quantizes_y=True)
+    return {**roles, **int8_roles, **quantizer_roles(c, dtype)}
+
+
+def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
+    """The quantize_x dispatches of an int8_x decode step: x times a norm's weight (qkv, gate/up),
+    attention's output or the merge of its split call (o), the SwiGLU output (down). Compiled for
+    the dtype (and a merge's head_dim); the width is a runtime value."""
+    tag, width = DTYPE_TAGS[dtype], c.n_heads * c.head_dim
+    plain = ("quantize_x", (dtype, False), ("x",) + QUANTIZED_X, f"quantize_x_{tag}")
+    return {
+        "quantize_norm_decode": KernelRole("quantize_x", (dtype, True), ("x", "norm") + QUANTIZED_X,
+                                           f"quantize_x_norm_{tag}", {"n": 1, "vecs": c.dim // 4}),
+        "quantize_attn_decode": KernelRole(*plain, {"n": 1, "vecs": width // 4}),
+        "quantize_ffn_decode": KernelRole(*plain, {"n": 1, "vecs": c.ffn_dim // 4}),
+        "quantize_merge_decode": KernelRole("quantize_x", (dtype, False, c.head_dim), SPLIT_WORKSPACE + QUANTIZED_X,
+                                            f"quantize_x_merge_d{c.head_dim}_{tag}",
+                                            {"n": 1, "vecs": width // 4, "heads": c.n_heads}),
+    }
 
 
 def matmul_subgroup_lanes(specs: dict) -> int | None:
     """The subgroup build (MatmulSpec.subgroup_lanes) of a llama_kernels dict's decode matmuls."""
     return specs["down_residual_decode"].subgroup_lanes
+
+
+def down_codes_from_gate_up(specs: dict) -> bool:
+    """Whether an int8_x decode step's gate/up matmul writes down's codes of x (MatmulSpec.quantizes_y)."""
+    spec = specs.get("norm_gate_up_swiglu_decode" + INT8_X_SUFFIX)
+    return spec is not None and spec.quantizes_y
+
+
+def matmul_int8_x(specs: dict) -> bool:
+    """Whether a llama_kernels dict's decode matmuls read int8 codes of x (MatmulSpec.int8_x)."""
+    return "down_residual_decode" + INT8_X_SUFFIX in specs
 
 
 def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:

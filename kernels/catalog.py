@@ -18,7 +18,8 @@ import importlib
 from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
-from contract.kernels import (SERVED_MATMUL_SUBGROUP_LANES, TILED_WORKGROUP_STORAGE_BYTES, WORKGROUP_STORAGE_BYTES,
+from contract.kernels import (QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES, SPLIT_WORKSPACE, TILED_WORKGROUP_STORAGE_BYTES,
+                              WORKGROUP_STORAGE_BYTES,
                               AttentionSpec, MatmulSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
                             SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
@@ -29,6 +30,7 @@ from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.probe import row_sum_probe, stream_read_probe
 from kernels.gguf_repack import gguf_repack
+from kernels.quantize_x import quantize_x
 from kernels.random_fill import random_q4_blocks, random_uniform, random_words
 from contract.gguf import GGML_TYPES, REPACK_BUFFERS, REPACK_TARGETS, repack_kernel_name
 
@@ -43,7 +45,7 @@ BUILDERS = {
     "argmax_partials": llama.argmax_partials,
     "sample_top_k_top_p": llama.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
-    "gguf_repack": gguf_repack,
+    "gguf_repack": gguf_repack, "quantize_x": quantize_x,
 }
 PROBE_BUFFERS = {"row_sum_probe": ("x", "out"), "stream_read_probe": ("x", "partial")}
 
@@ -161,10 +163,11 @@ def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> lis
     """Every non-attention kernel of one model config, named by what it is compiled for
     (contract.kernels.llama_kernels): configs that share a row width, a head_dim or a model width
     share those kernels, and the runtime finds them by name. The decode matmuls also in each
-    subgroup build of `subgroup_lanes` (MatmulSpec.subgroup_lanes)."""
+    subgroup build of `subgroup_lanes` (MatmulSpec.subgroup_lanes), with and without int8 codes of
+    x (MatmulSpec.int8_x: only beside subgroups, the GPUs' path)."""
     recipes = {}
-    for lanes in (None, *subgroup_lanes):
-        for role, spec in llama_kernels(c, dtype, lanes).items():
+    for lanes, int8_x in [(None, False)] + [(lanes, int8_x) for lanes in subgroup_lanes for int8_x in (False, True)]:
+        for role, spec in llama_kernels(c, dtype, lanes, int8_x).items():
             recipes[spec.name] = KernelRecipe(spec.name, spec.builder, spec.args,
                                               {"kind": "llama", "role": role, "dtype": dtype}, spec.buffers,
                                               subgroups=getattr(spec, "subgroup_lanes", None) is not None)
@@ -268,9 +271,11 @@ TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "l
 TEST_MATMUL_SUBGROUP_LANES = (8, SERVED_MATMUL_SUBGROUP_LANES)
 
 
-def prefill_matmul_test_name(flags: str, dtype: str, subgroup_lanes: int | None = None) -> str:
+def prefill_matmul_test_name(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
+                             quantizes_y: bool = False) -> str:
     prefix = "test_decode_matmul" if flags in TEST_DECODE_MATMULS else "test_prefill_matmul"
-    return f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}_{DTYPE_TAGS[dtype]}"
+    return (f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}{'_xi8' * int8_x}{'_yi8' * quantizes_y}"
+            f"_{DTYPE_TAGS[dtype]}")
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -286,11 +291,22 @@ def grid_shape(head_dim: int, group: int) -> AttentionShape:
     return AttentionShape(kv_heads, kv_heads * group, head_dim)
 
 
-def test_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None) -> MatmulSpec:
+def test_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
+                     quantizes_y: bool = False) -> MatmulSpec:
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, residual=residual, norm_eps=1e-5 if norm else None,
-                      swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes)
+                      swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
+                      quantizes_y=quantizes_y)
+
+
+TEST_QUANTIZING_MATMUL = "quad_norm_swiglu"  # 16 columns a workgroup: the int8_x build that quantizes y
+
+
+# The quantizers the int8_x tests run (kernels.quantize_x): (dtype, normed, merged head_dim) -> name
+TEST_QUANTIZERS = {(dtype, normed, merge): f"test_quantize_x{'_norm' * normed}{f'_merge_d{merge}' if merge else ''}"
+                                           f"_{DTYPE_TAGS[dtype]}"
+                   for dtype in DTYPES for normed, merge in ((False, None), (True, None), (False, 64))}
 
 
 TEST_SYNTHETIC_SHAPES = ("llama_3_2_1b", "llama_3_1_8b")
@@ -310,11 +326,21 @@ def test_recipes() -> list[KernelRecipe]:
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
-            for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES) if flags in TEST_DECODE_MATMULS else (None,):
-                spec = test_matmul_spec(flags, dtype, lanes)
-                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes), spec.builder, spec.args,
-                                            {"kind": "test_matmul", "dtype": dtype}, spec.buffers,
+            builds = [(None, False)]
+            if flags in TEST_DECODE_MATMULS:
+                builds += [(lanes, False) for lanes in TEST_MATMUL_SUBGROUP_LANES] + [(TEST_MATMUL_SUBGROUP_LANES[0], True)]
+            if flags == TEST_QUANTIZING_MATMUL:
+                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], "quantizes_y"))
+            for lanes, int8_x in builds:
+                quantizes_y = int8_x == "quantizes_y"
+                spec = test_matmul_spec(flags, dtype, lanes, bool(int8_x), quantizes_y)
+                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes, bool(int8_x), quantizes_y),
+                                            spec.builder,
+                                            spec.args, {"kind": "test_matmul", "dtype": dtype}, spec.buffers,
                                             subgroups=lanes is not None))
+    for (dtype, normed, merge), name in TEST_QUANTIZERS.items():
+        buffers = (SPLIT_WORKSPACE if merge else ("x",)) + ("norm",) * normed + QUANTIZED_X
+        recipes.append(KernelRecipe(name, "quantize_x", (dtype, normed, merge), {"kind": "test_quantizer"}, buffers))
     # TVM's kernel with a window (test_tiled_with_inline_rope_and_window)
     recipes.append(attention_recipe(AttentionSpec("tiled", AttentionShape(1, 4, 128), "float32", True), "tiled"))
     for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny model
@@ -328,7 +354,8 @@ def test_recipes() -> list[KernelRecipe]:
         recipes += attention_recipes(config.attention_shape, "float16", layouts=("subgroup",),
                                      build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
         recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))
-        recipes += llama_recipes(config, "float16")
+        # the 1B's also with int8 codes of x (its gate/up quantizes down's x: tests/test_synthetic.py)
+        recipes += llama_recipes(config, "float16", TEST_MATMUL_SUBGROUP_LANES[:1] if name == "llama_3_2_1b" else ())
     recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}
     return list(unique.values())

@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
+from kernels.quantize_x import CHUNK as XQ_CHUNK, CODE_MAX, LOW_NIBBLES, VECS as XQ_WORDS
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -149,6 +150,17 @@ def quantized_matmul(spec: MatmulSpec):
     With `argmax_partials` (the head), each workgroup also writes the largest of its columns and
     its index (the lowest on ties) to best[workgroup], for argmax_partials.
 
+    With `int8_x` (q4, decode), x comes as kernels.quantize_x made it: per 16-value chunk 4 words
+    of int8 codes c and (d, d * sum c, sum x^2). A lane splits each loaded word into its even and odd
+    nibbles (two masks, one shift) and takes the chunk's dot with four dot4I8Packed: the chunk adds
+    s * d * dot + m * d * sum c to the row (the dot with the dequantized codes), with no per-weight float work and 6 registers of x a load
+    in flight instead of 16 (32 with the norm's weights). The norm's weight was applied by the
+    quantizer; with `norm_eps` the lanes of row 0 sum the chunks' sum x^2 for inv_rms as before.
+
+    With `quantizes_y` (a workgroup's columns are one 16-value chunk: SwiGLU with 4 rows a thread),
+    the epilogue also writes y's int8 codes and stats as kernels.quantize_x would from y (rounded to
+    out_dtype) into yq, ystats: the next matmul's quantize dispatch, folded in behind one barrier.
+
     Both folds are for GPUs, where a dispatch costs more than the work folded in. On lavapipe
     they cost more than the dispatches they save (SmolLM2 decode: the folded qkv 2.0 ms against
     1.1 + 0.1 ms apart; gate/up with SwiGLU 4.3 ms against 3.4 + 0.06 ms: two row streams per
@@ -186,6 +198,10 @@ def quantized_matmul(spec: MatmulSpec):
     MERGED_AT = DOTS + TOKENS * LANES if normed else DOTS  # f32 words of `partial` before the merged x
     MERGE_TRIPS = (X_CHUNKS + ROWS * LANES - 1) // (ROWS * LANES)
     assert not merges or (in_features % MD == 0 and TOKENS == 1)
+    int8_x = spec.int8_x
+    quantizes_y = spec.quantizes_y
+    assert not quantizes_y or (COLUMNS_PER_GROUP == XQ_CHUNK and TOKENS == 1 and not rope and not spec.argmax_partials)
+    assert not int8_x or (weight_format == "q4" and CHUNK_VALUES == XQ_CHUNK and not merges and TOKENS == 1)
 
     COLUMNS_PER_THREAD = ROWS_PER_THREAD // 2 if swiglu else ROWS_PER_THREAD
     # subgroup_lanes: the lanes whose partials meet by shuffles; 1 without subgroups
@@ -212,10 +228,10 @@ def quantized_matmul(spec: MatmulSpec):
     def dot_row(c):  # the row (q) whose dot makes column c of the thread
         return 2 * c if swiglu else c
 
-    def x_value(xq, partial, wi, k):  # element k of chunk wi's x: loaded 4-wide, or merged into workgroup memory
+    def x_value(xv4, partial, wi, k):  # element k of chunk wi's x: loaded 4-wide, or merged into workgroup memory
         if merges:
             return partial[MERGED_AT + wi * CHUNK_VALUES + k]
-        return T.Shuffle([xq[k // 4]], [k % 4])
+        return T.Shuffle([xv4[k // 4]], [k % 4])
 
     def word_of(word, p, u):  # word u of row p's loaded chunk
         return T.Shuffle([word[p]], [u])
@@ -250,10 +266,21 @@ def quantized_matmul(spec: MatmulSpec):
         else:
             pages[page, 1, (column - (q_heads + kv_heads) * D) // D, slot, i] = T.Cast(dtype, total[0])
 
+    def int8_dot(word, p, xw):  # the chunk's dot of row p's codes with x's: four dot4I8Packed
+        terms = []
+        for u in range(WORDS_PER_LOAD):
+            w_u = word_of(word, p, u)
+            for half, nibbles in enumerate((w_u, T.shift_right(w_u, T.uint32(4)))):
+                terms.append(T.call_pure_extern("int32", "dot4I8Packed", T.bitwise_and(nibbles, T.uint32(LOW_NIBBLES)),
+                                                T.Shuffle([xw[0]], [2 * u + half])))
+        return (terms[0] + terms[1]) + (terms[2] + terms[3])
+
     @T.prim_func(s_tir=True)
-    def matmul(x_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle, norm_h: T.handle, w_h: T.handle,
+    def matmul(x_h: T.handle, xq_h: T.handle, xstats_h: T.handle, partial_o_h: T.handle, partial_stats_h: T.handle,
+               norm_h: T.handle, w_h: T.handle,
                scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle, positions_h: T.handle,
-               slots_h: T.handle, pages_h: T.handle, q_h: T.handle, best_h: T.handle, eps: T.float32,
+               slots_h: T.handle, pages_h: T.handle, q_h: T.handle, best_h: T.handle, yq_h: T.handle,
+               ystats_h: T.handle, eps: T.float32,
                rope_exponent: T.float32, rope_inv_factor: T.float32, rope_ratio: T.float32, rope_low: T.float32,
                rope_span: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
@@ -264,6 +291,8 @@ def quantized_matmul(spec: MatmulSpec):
         q_heads = T.int32()
         kv_heads = T.int32()
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
+        xq = T.match_buffer(xq_h, (n, CHUNKS), "uint32x4")  # int8_x: a chunk's codes (kernels.quantize_x)
+        xstats = T.match_buffer(xstats_h, (n, CHUNKS), "float32x4")  # and its d, sum v, sum x^2
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
@@ -277,6 +306,8 @@ def quantized_matmul(spec: MatmulSpec):
         pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, PAGE_SIZE, D), dtype)
         q = T.match_buffer(q_h, (n, q_heads, D), dtype)
         best = T.match_buffer(best_h, (out_columns(out_features) // COLUMNS_PER_GROUP, 2), "float32")
+        yq = T.match_buffer(yq_h, (n, out_columns(out_features) // 4), "uint32")  # quantizes_y: 4 words a chunk
+        ystats = T.match_buffer(ystats_h, (n, out_columns(out_features) // 4), "float32")  # and 4 floats
         for rb in T.thread_binding(out_columns(out_features) // COLUMNS_PER_GROUP, thread="blockIdx.x"):
             for tb in T.thread_binding(T.ceildiv(n, TOKENS), thread="blockIdx.y"):
                 for r in T.thread_binding(ROWS, thread="threadIdx.y"):
@@ -295,7 +326,9 @@ def quantized_matmul(spec: MatmulSpec):
                             word = T.sblock_alloc_buffer((ROWS_PER_THREAD,), f"uint32x{WORDS_PER_LOAD}", scope="local")
                             ws = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((ROWS_PER_THREAD,), "float32", scope="local")
-                            xq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the chunk's x
+                            xv4 = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # the chunk's x
+                            xw = T.sblock_alloc_buffer((1,), "uint32x4", scope="local")  # int8_x: its codes
+                            xst = T.sblock_alloc_buffer((1,), "float32x4", scope="local")  # and stats
                             nq = T.sblock_alloc_buffer((X_VECS,), "float32x4", scope="local")  # its norm weights
                             # total: 0 a row's dot, 1 sum of x^2, 2 the up row's dot (swiglu) or the
                             # RoPE partner row's (rope_append), 3 the rotated value
@@ -306,6 +339,7 @@ def quantized_matmul(spec: MatmulSpec):
                             split_max = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
                             split_sum = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
                             split_o = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32x4", scope="local")
+                            code = T.sblock_alloc_buffer((2,), "int32", scope="local")  # quantizes_y: word, sum
                             tok0: T.let[T.int32] = tb * TOKENS
                             for a in T.unroll(ROWS_PER_THREAD * TOKENS):
                                 acc[a] = T.float32(0)
@@ -334,16 +368,26 @@ def quantized_matmul(spec: MatmulSpec):
                                         ws[p] = scale[weight_row(rb, r, p, out_columns(out_features)), blk]
                                         wm[p] = T.if_then_else(weight_format == "q4", wmin[weight_row(rb, r, p, out_columns(out_features)), blk],
                                                                T.float32(0))
+                                    if int8_x:  # one token (TOKENS == 1)
+                                        if tok0 < n:
+                                            xw[0] = xq[tok0, wi]
+                                            xst[0] = xstats[tok0, wi]
+                                            for p in T.unroll(ROWS_PER_THREAD):
+                                                acc[p] = acc[p] + ws[p] * (T.Shuffle([xst[0]], [0]) * T.Cast(
+                                                    "float32", int8_dot(word, p, xw))) + wm[p] * T.Shuffle([xst[0]], [1])
+                                            if normed:
+                                                if r == 0:
+                                                    squares[0] = squares[0] + T.Shuffle([xst[0]], [2])
                                     for j in T.unroll(TOKENS):
-                                        if tok0 + j < n:
+                                        if not int8_x and tok0 + j < n:
                                             # the word's x (and norm weights) as 4-wide loads
                                             for v in T.unroll(X_VECS):
                                                 if not merges:
-                                                    xq[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
+                                                    xv4[v] = T.Cast("float32x4", x[tok0 + j, wi * X_VECS + v])
                                                 nq[v] = norm[wi * X_VECS + v] if normed else T.Broadcast(T.float32(1), 4)
                                             for e in T.unroll(CHUNK_VALUES):
                                                 # the norm's weight scales W's column: applied to x once for all rows
-                                                xv: T.let[T.float32] = x_value(xq, partial, wi, e)
+                                                xv: T.let[T.float32] = x_value(xv4, partial, wi, e)
                                                 nk: T.let[T.float32] = T.Shuffle([nq[e // 4]], [e % 4])
                                                 for p in T.unroll(ROWS_PER_THREAD):
                                                     acc[p * TOKENS + j] = acc[p * TOKENS + j] + \
@@ -404,6 +448,35 @@ def quantized_matmul(spec: MatmulSpec):
                                         if spec.argmax_partials:
                                             column_best[p * ROWS + r] = total[0]
                                             column_best[COLUMNS_PER_GROUP + p * ROWS + r] = T.Cast("float32", column)
+                                        if quantizes_y:  # the chunk's values as the quantizer would read them
+                                            column_best[p * ROWS + r] = T.Cast("float32", T.Cast(out_dtype, total[0]))
+                            if quantizes_y:
+                                if r == 0:
+                                    if lane < XQ_WORDS:
+                                        if tok0 < n:
+                                            # each of the chunk's 4 words in a thread of its own (kernels.quantize_x's
+                                            # rule and order): the chunk's max, the codes' sum, this word's bytes
+                                            total[0] = T.float32(0)
+                                            for c in T.serial(COLUMNS_PER_GROUP):
+                                                total[2] = column_best[c]
+                                                total[0] = T.max(total[0], T.abs(total[2]))
+                                            total[1] = T.if_then_else(total[0] > T.float32(0),
+                                                                      T.float32(CODE_MAX) / total[0], T.float32(0))
+                                            code[0] = T.int32(0)
+                                            code[1] = T.int32(0)
+                                            for c in T.unroll(COLUMNS_PER_GROUP):
+                                                total[2] = column_best[c]
+                                                c_code: T.let[T.int32] = T.Cast("int32", T.floor(T.float32(0.5) + total[2] * total[1]))
+                                                code[1] = code[1] + c_code
+                                                # value c is byte (c % 8) // 2 of word 2 (c // 8) + c % 2
+                                                if lane == (c // 8) * 2 + c % 2:
+                                                    code[0] = T.bitwise_or(code[0], T.shift_left(
+                                                        T.bitwise_and(c_code, 255), 8 * ((c % 8) // 2)))
+                                            yq[tok0, rb * XQ_WORDS + lane] = T.reinterpret("uint32", code[0])
+                                            d: T.let[T.float32] = total[0] / T.float32(CODE_MAX)
+                                            ystats[tok0, rb * XQ_WORDS + lane] = T.if_then_else(
+                                                lane == 0, d, T.if_then_else(lane == 1, d * T.Cast("float32", code[1]),
+                                                                             T.float32(0)))
                             if spec.argmax_partials:
                                 if r == 0:
                                     if lane == 0:
