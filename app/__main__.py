@@ -142,6 +142,10 @@ def main(argv=None) -> int:
     dec.add_argument("--matmul-subgroups", choices=["auto", "on", "off"], default="auto",
                      help="the decode matmuls' subgroup builds (lanes' partials added by shuffles): where "
                           "the adapter fits one (auto), required (on) or never (off)")
+    dec.add_argument("--matmul-int8-x", choices=["auto", "on", "off"], default="auto",
+                     help="the decode step's q4 matmuls on int8 codes of x with integer dot products, a "
+                          "quantize dispatch before each: beside the subgroup builds for models 4,096 or more wide "
+                          "(auto), wherever the artifact has them (on) or never (off)")
     dec.add_argument("--sample", action="store_true",
                      help="also time auto with GPU sampling (top-k 40, top-p 0.95) instead of the argmax")
     dec.add_argument("--model", type=Path, default=MODEL_ARTIFACT)

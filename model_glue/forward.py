@@ -10,23 +10,26 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
-from contract.kernels import SPLIT_WORKSPACE
+from contract.kernels import INT8_X_MATMULS, INT8_X_SUFFIX, SPLIT_WORKSPACE
 from contract.model import head_tensor
 from model_glue.attention import attention_call, attention_dispatches
 from model_glue.kernel import DispatchPlan
 from model_glue.step_stats import PassStamps
 
 
-def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False) -> list[str]:
+def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
-    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler, and
-    (`o_merges`: the shape has it) the o-projection that merges a split attention call. Only these
-    are compiled."""
+    and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler,
+    (`o_merges`: the shape has it) the o-projection that merges a split attention call, and
+    (`int8_x`, with folded norms) the decode matmuls' quantizers. Only these are compiled."""
     matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
         ["qkv", "o_residual", "gate_up", "down_residual"]
     apart = [] if fold_norms else ["rms_norm", "swiglu"]
     fused = ["norm_qkv_rope_append_decode"] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
     fused += ["o_residual_merge_decode"] if o_merges else []
+    if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
+        fused += [role + INT8_X_SUFFIX for role in INT8_X_MATMULS]
+        fused += sorted(set(INT8_X_MATMULS.values())) + ["quantize_merge_decode"]
     return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *fused,
             *apart,
             "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
@@ -123,7 +126,7 @@ def pass_attention_kernels(m, choice: AttentionChoice) -> list:
     """The attention kernels a pass dispatches: without the merge where the o-projection
     merges the split call's partial states (LlamaModel.o_merges)."""
     kernels = m.attention_kernels(choice)
-    return kernels[:-1] if m.o_merges(choice) else kernels
+    return kernels[:-1] if m.o_merges(choice) or m.quantizer_merges(choice) else kernels
 
 
 def role_values(m, role: str, **pass_values) -> dict:
@@ -140,6 +143,9 @@ def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: 
     if m.o_merges(choice):
         pairs.append((m.kernels["o_residual_merge_decode"], role_values(m, "o_residual_merge_decode",
                                                                         **o_merge_values(choice))))
+    if m.quantizer_merges(choice):
+        pairs.append((m.kernels["quantize_merge_decode"], role_values(m, "quantize_merge_decode",
+                                                                      num_splits=choice.num_splits)))
     if sampling is not None and not sampling.greedy:
         pairs.append((m.kernels["sample"], role_values(m, "sample", **sampling.kernel_values(draw))))
     return pairs
@@ -150,20 +156,46 @@ def o_merge_values(choice: AttentionChoice) -> dict:
 
 
 # -- the forward pass -------------------------------------------------------------------------------------
-def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None, rope_io=None,
-            values=None, per_step: bool = False) -> None:
-    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
-    `x` is a buffer, or a dict of the buffers x is made from (the merging o-projection's partial
-    states). `rope_io`: the RoPE + append epilogue's buffers, written instead of y."""
-    w = m.weights
+def _quantize_x(m, enc: PassEncoder, role: str, x, norm=None, values=None, per_step: bool = False) -> None:
+    """x (times the norm's weight) as int8 codes and per-chunk stats in xq and xstats, for an int8_x
+    decode matmul (kernels.quantize_x); `x` is a buffer, or the split call's partial states (a dict)."""
     buffers = dict(x) if isinstance(x, dict) else {"x": x}
+    if norm is not None:
+        buffers["norm"] = m.weights[norm]
+    buffers.update({"xq": m.buffers["xq"], "xstats": m.buffers["xstats"]})
+    enc.run(m.kernels[role], buffers, role_values(m, role, **(values or {})), per_step=per_step)
+
+
+def _codes(m, prefix: str = "") -> dict:
+    """The scratch pair that holds x's int8 codes and stats (`prefix` "ffn_": down's, from gate/up)."""
+    return {"xq": m.buffers[f"{prefix}xq"], "xstats": m.buffers[f"{prefix}xstats"]}
+
+
+def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None, rope_io=None,
+            values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
+    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
+    `x` is a buffer, a dict of the buffers x is made from (the merging o-projection's partial
+    states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
+    epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
+    (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (LlamaModel.int8_x) and x is not
+    given as codes, its quantizer runs first, with the norm's weight."""
+    w = m.weights
+    role = f"{role}_{'decode' if n == 1 else 'prefill'}"
+    int8_x = m.int8_x(n) and role in INT8_X_MATMULS
+    given_codes = isinstance(x, dict) and "xq" in x
+    if int8_x and not given_codes:
+        _quantize_x(m, enc, INT8_X_MATMULS[role], x, norm)
+    if int8_x:
+        role += INT8_X_SUFFIX
+    buffers = dict(x) if given_codes else _codes(m) if int8_x else dict(x) if isinstance(x, dict) else {"x": x}
+    if y_codes is not None:
+        buffers.update({"yq": y_codes["xq"], "ystats": y_codes["xstats"]})
     buffers.update({"w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]})
     buffers.update(rope_io or {"y": y})
-    if norm is not None:
+    if norm is not None and not int8_x:
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid
-    role = f"{role}_{'decode' if n == 1 else 'prefill'}"
     enc.run(m.kernels[role], buffers, role_values(m, role, **{"n": n, **(values or {})}), per_step=per_step)
 
 
@@ -177,10 +209,11 @@ def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> N
         _matmul(m, enc, role, n, weight, normed, y)
 
 
-def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str) -> None:
-    """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels."""
+def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str, h_codes: dict | None = None) -> None:
+    """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels; with
+    `h_codes`, the folded matmul also writes h's int8 codes there."""
     if m.run.fold_norms:
-        _matmul(m, enc, "norm_gate_up_swiglu", n, weight, x, h, norm=norm)
+        _matmul(m, enc, "norm_gate_up_swiglu", n, weight, x, h, norm=norm, y_codes=h_codes)
     else:
         gate_up = m.buffers["gate_up"]
         _normed_matmul(m, enc, "gate_up", n, weight, x, gate_up, norm)
@@ -224,11 +257,16 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
         if o_merges:  # x of the o-projection is merged from the split call's partial states
             _matmul(m, enc, "o_residual_merge", n, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
+        elif m.quantizer_merges(choice):  # ... by the o-projection's quantizer
+            _quantize_x(m, enc, "quantize_merge_decode", {name: buf[name] for name in SPLIT_WORKSPACE},
+                        values={"num_splits": choice.num_splits}, per_step=True)
+            _matmul(m, enc, "o_residual", n, f"{p}.o", _codes(m), x_mid, resid=x)
         else:
             _matmul(m, enc, "o_residual", n, f"{p}.o", buf["attn"], x_mid, resid=x)
         # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
-        _swiglu_ffn(m, enc, n, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm")
-        _matmul(m, enc, "down_residual", n, f"{p}.down", buf["ffn"], x, resid=x_mid)
+        down_codes = _codes(m, "ffn_") if m.int8_x(n) and m.down_codes_from_gate_up else None
+        _swiglu_ffn(m, enc, n, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
+        _matmul(m, enc, "down_residual", n, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
     # head: only the last token's logits are needed (a decode pass's x is that token already)
     last = x
     if n > 1:

@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import MATMUL_SUBGROUP_LANES, llama_kernels, matmul_subgroup_lanes
+from contract.kernels import MATMUL_SUBGROUP_LANES, llama_kernels, matmul_int8_x, matmul_subgroup_lanes
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
@@ -135,9 +135,10 @@ class _Loader:
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         self.specs, self.attention = runnable_kernels(library, config, self.dtype, device,
-                                                      self.options.matmul_subgroups)
+                                                      self.options.matmul_subgroups, self.options.matmul_int8_x)
         self.options = dataclasses.replace(self.options,
-                                           matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None)
+                                           matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None,
+                                           matmul_int8_x=matmul_int8_x(self.specs))
         self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]
         _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
@@ -226,12 +227,38 @@ def pick_matmul_subgroup_lanes(library, config: LlamaConfig, dtype: str, device,
     return None
 
 
-def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None) -> dict:
+# The int8_x decode matmuls by default only for models at least this wide: each adds a quantize
+# dispatch before it (~4.5 us on the H200), which the 8B shape's matmuls repay (GPU ms a step at
+# 3,060 tokens 3.78 -> 3.25) but the 1B's do not (0.986 -> 1.006) nor SmolLM2's (0.87 -> 1.09 at 1,536;
+# wgpu over Vulkan, f16, one device call, docs/benchmarks.md).
+INT8_X_MIN_DIM = 4096
+
+
+def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | None, wanted: bool | None) -> bool:
+    """Whether the decode matmuls read int8 codes of x (MatmulSpec.int8_x): by default (`wanted`
+    None) for models of INT8_X_MIN_DIM or wider, where the artifact has them beside the subgroup
+    build `lanes` (the GPUs' path); never with `wanted` False; with `wanted` True wherever the
+    artifact has them, and not having them is a ModelError."""
+    if wanted is False or (wanted is None and config.dim < INT8_X_MIN_DIM):
+        return False
+    if lanes is not None and all(spec.name in library.specs for spec in llama_kernels(config, dtype, lanes, True).values()):
+        return True
+    if wanted:
+        raise ModelError("matmul_int8_x was asked for, but " + (
+            "it runs only beside the decode matmuls' subgroup builds, which this adapter does not run" if lanes is None
+            else f"the kernel artifact has no int8_x build of this model's decode matmuls for {lanes} lanes"))
+    return False
+
+
+def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None,
+                       matmul_int8_x: bool | None = None) -> dict:
     """role -> spec (contract.kernels.llama_kernels) of every model kernel the forward pass may run,
     each present in the artifact: kernels are compiled for row widths and head_dim, not for a model,
     so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing. The
-    decode matmuls are the subgroup build `pick_matmul_subgroup_lanes` picks, if any."""
-    specs = llama_kernels(config, dtype, pick_matmul_subgroup_lanes(library, config, dtype, device, matmul_subgroups))
+    decode matmuls are the subgroup build `pick_matmul_subgroup_lanes` picks, if any, reading int8
+    codes of x where `pick_matmul_int8_x` says so."""
+    lanes = pick_matmul_subgroup_lanes(library, config, dtype, device, matmul_subgroups)
+    specs = llama_kernels(config, dtype, lanes, pick_matmul_int8_x(library, config, dtype, lanes, matmul_int8_x))
     unfit = [f"{role} ({why})" for role, spec in specs.items() if (why := spec.unsupported())]
     if unfit:
         raise ModelError(f"this model's sizes do not fit the kernels' grids: {'; '.join(unfit)}")
@@ -252,10 +279,11 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, ma
 
 
 def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
-                     matmul_subgroups: bool | None = None) -> tuple[dict, AttentionKernels]:
+                     matmul_subgroups: bool | None = None,
+                     matmul_int8_x: bool | None = None) -> tuple[dict, AttentionKernels]:
     """The model kernels' specs and the attention kernels that run `config` on this device, or a
     ModelError naming what the artifact lacks (before any weight is read)."""
-    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups),
+    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups, matmul_int8_x),
             _attention_kernels(library, config, dtype, device))
 
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import matmul_subgroup_lanes, o_merges_splits
+from contract.kernels import down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes, o_merges_splits
 from model_glue.attention import AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -32,6 +32,8 @@ from model_glue.step_stats import StepStats, stamp_count
 
 # A timed step whose split attention call is merged inside the o-projection (LlamaModel.o_merges)
 O_MERGE_NOTE = "the split attention's merge ran inside the o-projection, not in attention_ms"
+# ... or inside the o-projection's quantizer (LlamaModel.quantizer_merges)
+QUANTIZER_MERGE_NOTE = "the split attention's merge ran inside the o-projection's int8 quantizer, not in attention_ms"
 
 
 class PlanKey(NamedTuple):
@@ -70,6 +72,8 @@ class LlamaModel:
         self.kernel_names = {role: spec.name for role, spec in kernel_specs.items()}
         self.kernel_values = {role: spec.values for role, spec in kernel_specs.items()}
         self.matmul_subgroup_lanes = matmul_subgroup_lanes(kernel_specs)  # lanes reduced by shuffles, or None
+        self.matmul_int8_x = matmul_int8_x(kernel_specs)  # decode matmuls read int8 codes of x (with folded norms)
+        self.down_codes_from_gate_up = down_codes_from_gate_up(kernel_specs)  # ... down's from gate/up's epilogue
         self.kernels: dict = {}  # role -> Kernel, compiled for the roles the options use (`compile_roles`)
         self.attention = attention  # the artifact's attention kernels that run this shape here
         self._attention_compiled: dict = {}  # artifact name -> Kernel (`compile_attention`)
@@ -118,7 +122,8 @@ class LlamaModel:
 
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
-        roles = forward_roles(fold_norms, greedy, o_merges="o_residual_merge_decode" in self.kernel_names)
+        roles = forward_roles(fold_norms, greedy, o_merges="o_residual_merge_decode" in self.kernel_names,
+                              int8_x=self.matmul_int8_x)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
@@ -147,10 +152,21 @@ class LlamaModel:
     def o_merges(self, choice: AttentionChoice) -> bool:
         """Whether a pass with this attention choice merges the split call's partial states in the
         o-projection instead of a merge dispatch: RunOptions.merge_in_o (True: wherever the shape
-        has the kernel), by default where contract.kernels.o_merges_splits says it pays."""
-        if not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names:
+        has the kernel), by default where contract.kernels.o_merges_splits says it pays; never where
+        the int8_x quantizer merges it (`quantizer_merges`)."""
+        if not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names \
+                or self.quantizer_merges(choice):
             return False
         return self.run.merge_in_o or o_merges_splits(self.config, self.dtype, choice.num_splits)
+
+    def int8_x(self, n: int) -> bool:
+        """Whether a pass of n tokens runs the int8_x decode matmuls: one-token passes with the norms
+        folded (the only roles built so), where the model loaded them."""
+        return self.matmul_int8_x and n == 1 and self.run.fold_norms
+
+    def quantizer_merges(self, choice: AttentionChoice) -> bool:
+        """Whether a decode pass merges the split call in the o-projection's quantizer (int8_x)."""
+        return choice.split and self.int8_x(1)
 
     def attention_kernels(self, choice: AttentionChoice) -> list:
         """The compiled kernels of one attention call, in dispatch order."""
@@ -223,7 +239,8 @@ class LlamaModel:
             if record:
                 self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
         stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, str(choice), None, 0.0,
-                          timing_note=O_MERGE_NOTE if key.o_merges else "")
+                          timing_note=O_MERGE_NOTE if key.o_merges else
+                          QUANTIZER_MERGE_NOTE if self.quantizer_merges(choice) else "")
         self._last_pass_tokens = n
         self._all_stamps_written |= not one_pass
         return self.pipeline.submit(batch, self.buffers["next_id"], stats, start=start,

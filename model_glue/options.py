@@ -2,8 +2,8 @@
 
 The page (or a benchmark, a test, the CLI) builds it; `ChatSession.reply` and `generate` pass it
 on unchanged; `LlamaModel.use` checks it against the loaded model and makes it the options of the
-passes that follow. `max_context` (it sizes the KV cache) and `matmul_subgroups` (which kernels
-compile) are chosen at load; every other field may change per request. A None field means "this adapter's default" (`resolved`).
+passes that follow. `max_context` (it sizes the KV cache), `matmul_subgroups` and `matmul_int8_x`
+(which kernels compile) are chosen at load; every other field may change per request. A None field means "this adapter's default" (`resolved`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ class RunOptions:
     # MatmulSpec.subgroup_lanes). None: where this adapter's subgroups fit a build the artifact has;
     # True: required; False: never (benchmarks compare the two). Load time only.
     matmul_subgroups: bool | None = None
+    # The decode step's q4 matmuls reading x as int8 codes made by a quantize dispatch before each,
+    # with integer dot products (contract.kernels.MatmulSpec.int8_x; with the norms folded, beside the
+    # subgroup builds). None: for models of model_glue.loading.INT8_X_MIN_DIM or wider (where they pay),
+    # if the artifact has them for the subgroup build this adapter runs; True: required; False: never
+    # (benchmarks compare the two). Load time only.
+    matmul_int8_x: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -96,8 +102,10 @@ class RunOptions:
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
         if not isinstance(self.replay, bool) or any(getattr(self, f) not in (None, True, False)
-                                                    for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups")):
-            raise ModelError("replay, fold_norms, warm_up, merge_in_o and matmul_subgroups are true or false")
+                                                    for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups",
+                                                              "matmul_int8_x")):
+            raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups and matmul_int8_x are true "
+                             "or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -123,9 +131,10 @@ class RunOptions:
         if request.max_context not in (None, self.max_context):
             raise ModelError(f"max_context is chosen when the model loads ({self.max_context} tokens); "
                              f"load it again for {request.max_context}")
-        if request.matmul_subgroups not in (None, self.matmul_subgroups):
-            raise ModelError(f"matmul_subgroups is chosen when the model loads ({self.matmul_subgroups}); "
-                             f"load it again for {request.matmul_subgroups}")
+        for load_time in ("matmul_subgroups", "matmul_int8_x"):
+            if getattr(request, load_time) not in (None, getattr(self, load_time)):
+                raise ModelError(f"{load_time} is chosen when the model loads ({getattr(self, load_time)}); "
+                                 f"load it again for {getattr(request, load_time)}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o") if getattr(request, f) is not None})
 

@@ -13,8 +13,10 @@ from model_glue.attention import split_workspace_bytes
 from model_glue.kv_cache import PagedKVCache
 
 # Buffers of one token whatever the pass: the last token's hidden state, its logits, the head's
-# best (value, index) per workgroup (the argmax reads them), the chosen id.
-ONE_TOKEN_BUFFERS = ("last", "logits", "head_best", "next_id")
+# best (value, index) per workgroup (the argmax reads them), the chosen id, and a decode matmul's x
+# as int8 codes and per-chunk stats (kernels.quantize_x; a byte a value each), twice: the gate/up
+# matmul reads one pair and writes the other for down (MatmulSpec.quantizes_y).
+ONE_TOKEN_BUFFERS = ("last", "logits", "head_best", "next_id", "xq", "xstats", "ffn_xq", "ffn_xstats")
 
 
 def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, int]:
@@ -36,7 +38,9 @@ def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, in
 
 
 def one_token_sizes(c: LlamaConfig, e: int) -> dict[str, int]:
-    return dict(zip(ONE_TOKEN_BUFFERS, (e * c.dim, 4 * c.vocab_size, 4 * 2 * head_spec(c, "float32").workgroups, 4)))
+    widest_x = max(c.dim, c.n_heads * c.head_dim, c.ffn_dim)
+    return dict(zip(ONE_TOKEN_BUFFERS, (e * c.dim, 4 * c.vocab_size, 4 * 2 * head_spec(c, "float32").workgroups, 4,
+                                        widest_x, widest_x, c.ffn_dim, c.ffn_dim)))
 
 
 class ScratchBuffers(dict):

@@ -29,6 +29,10 @@ GOLDEN_ANSWER = "The capital of France is Paris."
 # the reference only in summation order: measured <= 2.3e-6 (tiny model). f16 rounds every
 # activation and KV entry to 11 bits: measured <= 3.8e-3 (tiny) and <= 1.4e-3 (SmolLM2).
 LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+# The decode matmuls on int8 codes of x (MatmulSpec.int8_x) against the same reference, which keeps x
+# exact: measured <= 1.8e-2 (f32) and 2.1e-2 (f16) over the tiny model's first decode steps
+# (tests/test_int8_x.py checks the kernels against the int8 arithmetic itself, to f32 rounding).
+INT8_LOGIT_TOLERANCE = 3e-2
 # f16 logits of a split call merged by the o-projection against the merge kernel's (the same
 # arithmetic; test_the_o_projection_merges_a_split_call_as_the_merge_kernel_does)
 MERGE_ROUNDING_TOLERANCE = 1e-3
@@ -61,22 +65,34 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("matmul_subgroups", [False, True], ids=["lanes-in-memory", "lanes-by-shuffles"])
+MATMUL_BUILDS = {"lanes-in-memory": (False, False), "lanes-by-shuffles": (True, False), "int8-x": (True, True)}
+
+
+@pytest.mark.parametrize("matmuls", list(MATMUL_BUILDS))
 @pytest.mark.parametrize("fold_norms", [True, False], ids=["norms-folded", "norms-apart"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_tiny_model_logits_match_reference(loop, gpu, test_library, tiny_dir, tiny_reference, dtype, fold_norms,
-                                           matmul_subgroups):
+                                           matmuls):
     """Both forward layouts: RMSNorm folded into the next matmul (GPUs) and run apart (CPU
     rasterizers); the decode matmuls' (the RoPE epilogue's and the head's included) lanes meeting in
-    workgroup memory, or by subgroup shuffles first (the test artifact's build for 8 lanes)."""
+    workgroup memory, or by subgroup shuffles first (the test artifact's build for 8 lanes), and
+    (with the norms folded) the decode step's q4 matmuls on int8 codes of x."""
+    matmul_subgroups, int8_x = MATMUL_BUILDS[matmuls]
     if dtype == "float16" and not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     if matmul_subgroups and not (gpu.subgroup_min_size or 0) >= 8:
         pytest.skip(f"{gpu.adapter_name} has no subgroups of 8 or more")
-    model = load(loop, gpu, test_library, tiny_dir, dtype, fold_norms=fold_norms, matmul_subgroups=matmul_subgroups)
+    if int8_x and not fold_norms:
+        pytest.skip("the int8_x matmuls run only with the norms folded")
+    model = load(loop, gpu, test_library, tiny_dir, dtype, fold_norms=fold_norms, matmul_subgroups=matmul_subgroups,
+                 matmul_int8_x=int8_x)
     assert (model.matmul_subgroup_lanes is not None) == matmul_subgroups
-    assert all(("_sg" in name) == matmul_subgroups for role, name in model.kernel_names.items()
-               if role.endswith("_decode") or role.endswith("lm_head"))
+    assert model.matmul_int8_x == int8_x
+    assert all(("_sg" in name) == matmul_subgroups for name in model.kernel_names.values()
+               if name.startswith("matmul_decode"))
+    assert any("_xi8" in model.kernels[role].name for role in model.kernels) == int8_x  # compiled: it runs
+    tolerance = {"float32": INT8_LOGIT_TOLERANCE, "float16": INT8_LOGIT_TOLERANCE}[dtype] if int8_x else \
+        LOGIT_TOLERANCE[dtype]
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
     tiny_reference.reset()
@@ -84,7 +100,7 @@ def test_tiny_model_logits_match_reference(loop, gpu, test_library, tiny_dir, ti
     want = tiny_reference.forward(prompt, 0)[-1]
     for step in range(6):  # after the prefill, then each decode step
         got = logits_of(loop, model)
-        assert rel_l2(got, want) < LOGIT_TOLERANCE[dtype], f"step {step}: {rel_l2(got, want):.2e}"
+        assert rel_l2(got, want) < tolerance, f"step {step}: {rel_l2(got, want):.2e}"
         assert token == int(np.argmax(got))
         assert int(np.argmax(want)) == token or np.sort(want)[-1] - np.sort(want)[-2] < 1e-2
         pos = model.kv.length
@@ -289,6 +305,32 @@ def test_the_o_projection_merges_a_split_call_as_the_merge_kernel_does(loop, gpu
     merging = model.kernels["o_residual_merge_decode"].name
     plans = [plan for key, plan in model._plans.items() if key.o_merges]
     assert plans and all(plan.per_step_kernels.count(merging) == model.config.n_layers for plan in plans)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_int8_x_quantizer_merges_a_split_call(loop, gpu, test_library, tiny_dir, tiny_reference, dtype):
+    """With the int8_x matmuls a split call's partial states are merged by the o-projection's
+    quantizer (no merge dispatch, no merging o-projection): the reference's logits to the int8
+    tolerance, 9 dispatches a layer (a quantizer before each of the 4 matmuls), the merging
+    quantizer a per-step kernel of the plan (S may change)."""
+    if dtype == "float16" and not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    if not (gpu.subgroup_min_size or 0) >= 8:
+        pytest.skip(f"{gpu.adapter_name} has no subgroups of 8 or more")
+    model = load(loop, gpu, test_library, tiny_dir, dtype, fold_norms=True, matmul_subgroups=True, matmul_int8_x=True)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, TINY_VOCAB, 70)]
+    run = loop.run_until_complete(generate(model, prompt, max_new_tokens=5, options=RunOptions(
+        attention="sharded", layout="shards:4", merge_in_o=True)))  # merge_in_o gives way to the quantizer
+    decode = [s for s in run.stats if s.kind == "decode"]
+    assert {s.dispatches for s in decode} == {9 * model.config.n_layers + 3}  # + embed, head, argmax
+    assert all("quantizer" in s.timing_note for s in decode if s.attention_ms is not None)
+    tiny_reference.reset()
+    want = tiny_reference.forward(prompt + run.token_ids[:-1], 0)[-1]
+    assert rel_l2(logits_of(loop, model), want) < INT8_LOGIT_TOLERANCE
+    merging = model.kernels["quantize_merge_decode"].name
+    plans = [plan for key, plan in model._plans.items() if key.split and key.nest == "sharded"]
+    assert plans and all(plan.per_step_kernels.count(merging) == model.config.n_layers for plan in plans)
+    assert all(model.attention.merge not in plan.per_step_kernels for plan in plans)
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):

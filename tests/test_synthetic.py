@@ -8,6 +8,8 @@
   8B head is its own matrix, not the embedding) against the same reference.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -86,10 +88,11 @@ def test_every_tensor_is_filled_once():
     assert len(set(seeds)) == len(seeds)
 
 
-def skip_past_binding_limit(gpu, name: str) -> None:
+def skip_past_binding_limit(gpu, name: str, overrides: dict | None = None) -> None:
     """Skip where a tensor of the shape exceeds the adapter's binding limit (lavapipe: 128 MiB, less than
     a 128k-token vocabulary's head)."""
-    largest = max(t.nbytes for t in model_tensors(ALL_MODEL_CONFIGS[synthetic_config_name(name)]))
+    config = dataclasses.replace(ALL_MODEL_CONFIGS[synthetic_config_name(name)], **(overrides or {}))
+    largest = max(t.nbytes for t in model_tensors(config))
     if largest > gpu.limits["maxStorageBufferBindingSize"]:
         pytest.skip(f"{name}: a {largest / 2**20:.0f} MiB tensor exceeds this adapter's maxStorageBufferBindingSize "
                     f"({gpu.limits['maxStorageBufferBindingSize'] / 2**20:.0f} MiB)")
@@ -118,21 +121,28 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("name,overrides,dtype,tolerance", [
-    ("tiny_llama", None, "float32", 1e-4),
-    ("tiny_llama", {"tied_embeddings": False}, "float16", 1e-2),  # the head's own matrix, as in the 8B shape
-    ("llama-3.2-1b", {"n_layers": 1}, "float16", 1e-2),
-    ("llama-3.1-8b", {"n_layers": 1}, "float16", 1e-2),
-], ids=["tiny-f32", "tiny-untied-f16", "llama-3.2-1b-one-layer", "llama-3.1-8b-one-layer"])
-def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overrides, dtype, tolerance):
+@pytest.mark.parametrize("name,overrides,dtype,tolerance,int8_x", [
+    ("tiny_llama", None, "float32", 1e-4, False),
+    ("tiny_llama", {"tied_embeddings": False}, "float16", 1e-2, False),  # the head's own matrix, as in the 8B shape
+    ("llama-3.2-1b", {"n_layers": 1}, "float16", 1e-2, False),
+    ("llama-3.1-8b", {"n_layers": 1}, "float16", 1e-2, False),
+    # the int8_x decode matmuls, gate/up's epilogue quantizing down's x (16 columns a workgroup); a
+    # smaller vocabulary keeps the embedding within lavapipe's binding limit
+    ("llama-3.2-1b", {"n_layers": 1, "vocab_size": 16384}, "float16", 3e-2, True),
+], ids=["tiny-f32", "tiny-untied-f16", "llama-3.2-1b-one-layer", "llama-3.1-8b-one-layer", "llama-3.2-1b-int8-x"])
+def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overrides, dtype, tolerance, int8_x):
     """Prefill then decode steps; the f64 reference runs on the weights the GPU filled."""
     if dtype == "float16" and not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
-    skip_past_binding_limit(gpu, name)
+    if int8_x and not (gpu.subgroup_min_size or 0) >= 8:
+        pytest.skip(f"{gpu.adapter_name} has no subgroups of 8 or more")
+    skip_past_binding_limit(gpu, name, overrides)
     model = loop.run_until_complete(load_synthetic_model(
         gpu, test_library, name, dtype=dtype, seed=5, overrides=overrides,
-        options=RunOptions(max_context=512, warm_up=False)))
+        options=RunOptions(max_context=512, warm_up=False, **(
+            {"fold_norms": True, "matmul_subgroups": True, "matmul_int8_x": True} if int8_x else {}))))
     try:
+        assert model.down_codes_from_gate_up == int8_x
         dense = dense_weights(loop, gpu, model)
         assert ("head" in dense) == (not model.config.tied_embeddings)
         reference = ReferenceLlama(model.config.to_dict(), dense)

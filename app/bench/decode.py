@@ -30,14 +30,16 @@ async def run_decode_bench(args) -> dict:
     # The KV cache holds the longest of: each context's prompt and the steps + 1 tokens it generates
     # (the run asks for steps + 1: the first comes from the prefill), and the warm-up's own run.
     max_context = max(max(args.contexts) + args.steps + 1, WARMUP_PROMPT + WARMUP_NEW_TOKENS)
-    subgroups = {"auto": None, "on": True, "off": False}[getattr(args, "matmul_subgroups", "auto")]
-    device, library, model, weights = await bench_model(args, RunOptions(max_context=max_context,
-                                                                         matmul_subgroups=subgroups))
+    choice = {"auto": None, "on": True, "off": False}
+    device, library, model, weights = await bench_model(args, RunOptions(
+        max_context=max_context, matmul_subgroups=choice[getattr(args, "matmul_subgroups", "auto")],
+        matmul_int8_x=choice[getattr(args, "matmul_int8_x", "auto")]))
     lanes = model.matmul_subgroup_lanes
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; "
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
           f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}; decode matmuls' lanes "
-          f"{f'reduced by subgroup shuffles, {lanes} at a time' if lanes else 'meet in workgroup memory'}", flush=True)
+          f"{f'reduced by subgroup shuffles, {lanes} at a time' if lanes else 'meet in workgroup memory'}"
+          f"{', x as int8 codes' if model.matmul_int8_x else ''}", flush=True)
     print(f"{'context':>7} {'attention':>12} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")
     rng = random.Random(0)
