@@ -327,6 +327,6 @@ async def decode_encode_benchmark(chat, steps: int, replay: bool, context: int =
                        "token_ids": run.token_ids, "decode_tok_s": run.decode_steps / (run.decode_ms / 1e3),
                        "encode_ms": [s.encode_ms for s in decode], "step_ms": [s.step_ms for s in decode],
                        "gpu_ms": [s.gpu_ms for s in decode], "wait_ms": [s.wait_ms for s in decode],
-                       "gpu_gap_ms": [s.gpu_gap_ms for s in decode],
+                       "gpu_gap_ms": [s.gpu_gap_ms for s in decode], "attention_ms": [s.attention_ms for s in decode],
                        "dispatches": [s.dispatches for s in decode],
                        "replayed_by": model.replayed_by if replay else None})
