@@ -153,9 +153,11 @@ def quantized_matmul(spec: MatmulSpec):
     With `int8_x` (q4, decode), x comes as kernels.quantize_x made it: per 16-value chunk 4 words
     of int8 codes c and (d, d * sum c, sum x^2). A lane splits each loaded word into its even and odd
     nibbles (two masks, one shift) and takes the chunk's dot with four dot4I8Packed: the chunk adds
-    s * d * dot + m * d * sum c to the row (the dot with the dequantized codes), with no per-weight float work and 6 registers of x a load
-    in flight instead of 16 (32 with the norm's weights). The norm's weight was applied by the
-    quantizer; with `norm_eps` the lanes of row 0 sum the chunks' sum x^2 for inv_rms as before.
+    s * d * dot + m * d * sum c to the row (the dot with the dequantized codes), with no float work a
+    weight and 6 registers of x a load in flight instead of 16 (32 with the norm's weights). On the
+    H200 that took the 8B shape's step 3.79 -> 3.20 ms of GPU (docs/benchmarks.md). The quantizer
+    applied the norm's weight; with `norm_eps` the lanes of row 0 sum the chunks' sum x^2 for
+    inv_rms as before.
 
     With `quantizes_y` (a workgroup's columns are one 16-value chunk: SwiGLU with 4 rows a thread),
     the epilogue also writes y's int8 codes and stats as kernels.quantize_x would from y (rounded to
@@ -292,7 +294,7 @@ def quantized_matmul(spec: MatmulSpec):
         kv_heads = T.int32()
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
         xq = T.match_buffer(xq_h, (n, CHUNKS), "uint32x4")  # int8_x: a chunk's codes (kernels.quantize_x)
-        xstats = T.match_buffer(xstats_h, (n, CHUNKS), "float32x4")  # and its d, sum v, sum x^2
+        xstats = T.match_buffer(xstats_h, (n, CHUNKS), "float32x4")  # and its d, d * sum c, sum x^2
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
