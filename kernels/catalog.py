@@ -343,6 +343,12 @@ def test_recipes() -> list[KernelRecipe]:
         recipes.append(KernelRecipe(name, "quantize_x", (dtype, normed, merge), {"kind": "test_quantizer"}, buffers))
     # TVM's kernel with a window (test_tiled_with_inline_rope_and_window)
     recipes.append(attention_recipe(AttentionSpec("tiled", AttentionShape(1, 4, 128), "float32", True), "tiled"))
+    # SmolLM2's shape in f32 with the 8-lane int8_x build (tests/test_llama_cpp_agreement.py, `make test-slow`)
+    smollm2 = MODEL_CONFIGS["smollm2_135m"]
+    recipes += attention_recipes(smollm2.attention_shape, "float32", layouts=("subgroup",),
+                                 build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
+    recipes.append(prefill_attention_recipe(smollm2.attention_shape, "float32"))
+    recipes += llama_recipes(smollm2, "float32", TEST_MATMUL_SUBGROUP_LANES[:1])
     for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny model
         for dtype in DTYPES:
             recipes += attention_recipes(config.attention_shape, dtype)

@@ -46,14 +46,14 @@ def llama_cpp_run(llm, prompt_ids, steps):
     return out
 
 
-def agreement(loop, gpu, library, path, dtype=None, reference_model=None):
+def agreement(loop, gpu, library, path, dtype=None, reference_model=None, options=None):
     """(greedy steps identical to the first divergence, teacher-forced top-1 agreement) with llama.cpp, as
     fractions of the 128 steps; with `reference_model` (the f64 ReferenceLlama) also its own top-1
     agreement with llama.cpp's tokens and with ours (the latter under the same teacher forcing)."""
     llm = llama_cpp.Llama(str(path), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
     read, size = file_reader(path)
-    chat = loop.run_until_complete(ChatSession.load_gguf(gpu, library, read, size, dtype=dtype,
-                                                         options=RunOptions(max_context=1024, warm_up=False)))
+    chat = loop.run_until_complete(ChatSession.load_gguf(gpu, library, read, size, dtype=dtype, options=RunOptions(
+        max_context=1024, warm_up=False, **(options or {}))))
     greedy_same, forced_same, total = 0, 0, 0
     reference_same, reference_ours = 0, 0
     try:
@@ -105,6 +105,17 @@ def test_smollm2_gguf_agrees_with_llama_cpp(loop, gpu, library):
                                                          reference_model=exact)
     assert forced >= exact_vs_llama - 2 / (4 * STEPS) and forced >= 0.9, (forced, exact_vs_llama)
     assert exact_vs_ours >= 126 / 128, exact_vs_ours
+
+
+def test_smollm2_gguf_on_int8_x_matmuls_agrees_with_llama_cpp(loop, gpu, test_library):
+    """The same with the decode matmuls on int8 codes of x (MatmulSpec.int8_x; the test artifact's
+    8-lane build of SmolLM2's kernels, f32): llama.cpp quantizes its activations to 8 bits too, per
+    32 values (ours per 16), so the 95% bar of the other models applies."""
+    if not (gpu.subgroup_min_size or 0) >= 8:
+        pytest.skip(f"{gpu.adapter_name} has no subgroups of 8 or more")
+    _, forced = agreement(loop, gpu, test_library, SMOLLM2, dtype="float32",
+                          options={"fold_norms": True, "matmul_subgroups": True, "matmul_int8_x": True})
+    assert forced >= MIN_AGREEMENT, forced
 
 
 @pytest.mark.parametrize("tokenizer,template,types", [
