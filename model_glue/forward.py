@@ -124,7 +124,8 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
 
 def pass_attention_kernels(m, choice: AttentionChoice) -> list:
     """The attention kernels a pass dispatches: without the merge where the o-projection
-    merges the split call's partial states (LlamaModel.o_merges)."""
+    (LlamaModel.o_merges) or its int8 quantizer (LlamaModel.quantizer_merges) merges the split
+    call's partial states."""
     kernels = m.attention_kernels(choice)
     return kernels[:-1] if m.o_merges(choice) or m.quantizer_merges(choice) else kernels
 

@@ -91,8 +91,7 @@ def test_tiny_model_logits_match_reference(loop, gpu, test_library, tiny_dir, ti
     assert all(("_sg" in name) == matmul_subgroups for name in model.kernel_names.values()
                if name.startswith("matmul_decode"))
     assert any("_xi8" in model.kernels[role].name for role in model.kernels) == int8_x  # compiled: it runs
-    tolerance = {"float32": INT8_LOGIT_TOLERANCE, "float16": INT8_LOGIT_TOLERANCE}[dtype] if int8_x else \
-        LOGIT_TOLERANCE[dtype]
+    tolerance = INT8_LOGIT_TOLERANCE if int8_x else LOGIT_TOLERANCE[dtype]
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, 40)]
     tiny_reference.reset()
