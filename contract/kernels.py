@@ -196,7 +196,8 @@ class MatmulSpec:
     # dots are integer dot products (kernels.llama.quantized_matmul).
     int8_x: bool = False
     # The epilogue also writes y's int8 codes and stats (yq, ystats) for the next int8_x matmul, as
-    # its quantize dispatch would: where a workgroup's columns are one 16-value chunk.
+    # its quantize dispatch would (but sum x^2, 0: the next matmul, down, has no norm): where a
+    # workgroup's columns are one 16-value chunk.
     quantizes_y: bool = False
 
     def __post_init__(self):

@@ -326,15 +326,15 @@ def test_recipes() -> list[KernelRecipe]:
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
-            builds = [(None, False)]
+            builds = [(None, False, False)]  # (subgroup lanes, int8_x, quantizes_y)
             if flags in TEST_DECODE_MATMULS:
-                builds += [(lanes, False) for lanes in TEST_MATMUL_SUBGROUP_LANES] + [(TEST_MATMUL_SUBGROUP_LANES[0], True)]
+                builds += [(lanes, False, False) for lanes in TEST_MATMUL_SUBGROUP_LANES]
+                builds += [(TEST_MATMUL_SUBGROUP_LANES[0], True, False)]
             if flags == TEST_QUANTIZING_MATMUL:
-                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], "quantizes_y"))
-            for lanes, int8_x in builds:
-                quantizes_y = int8_x == "quantizes_y"
-                spec = test_matmul_spec(flags, dtype, lanes, bool(int8_x), quantizes_y)
-                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes, bool(int8_x), quantizes_y),
+                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, True))
+            for lanes, int8_x, quantizes_y in builds:
+                spec = test_matmul_spec(flags, dtype, lanes, int8_x, quantizes_y)
+                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes, int8_x, quantizes_y),
                                             spec.builder,
                                             spec.args, {"kind": "test_matmul", "dtype": dtype}, spec.buffers,
                                             subgroups=lanes is not None))

@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
-from kernels.quantize_x import CHUNK as XQ_CHUNK, CODE_MAX, LOW_NIBBLES, VECS as XQ_WORDS
+from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -27,6 +27,7 @@ BLOCK = 32  # quantization block: one scale (and min) per 32 weights
 # such loads a row in flight (its trip loop unrolled by 4).
 WORDS_PER_LOAD = 2
 TRIP_UNROLL = 4
+LOW_NIBBLES = 0x0F0F0F0F  # int8_x: a q4 word's even elements, one a byte (the odd ones after a shift by 4)
 
 
 def _sign_extend_byte(word, k):
@@ -154,7 +155,7 @@ def quantized_matmul(spec: MatmulSpec):
     of int8 codes c and (d, d * sum c, sum x^2). A lane splits each loaded word into its even and odd
     nibbles (two masks, one shift) and takes the chunk's dot with four dot4I8Packed: the chunk adds
     s * d * dot + m * d * sum c to the row (the dot with the dequantized codes), with no float work a
-    weight and 6 registers of x a load in flight instead of 16 (32 with the norm's weights). On the
+    weight and 6-7 registers of x a load in flight instead of 16 (32 with the norm's weights). On the
     H200 that took the 8B shape's step 3.79 -> 3.20 ms of GPU (docs/benchmarks.md). The quantizer
     applied the norm's weight; with `norm_eps` the lanes of row 0 sum the chunks' sum x^2 for
     inv_rms as before.
@@ -450,14 +451,15 @@ def quantized_matmul(spec: MatmulSpec):
                                         if spec.argmax_partials:
                                             column_best[p * ROWS + r] = total[0]
                                             column_best[COLUMNS_PER_GROUP + p * ROWS + r] = T.Cast("float32", column)
-                                        if quantizes_y:  # the chunk's values as the quantizer would read them
+                                        if quantizes_y:  # y's chunk (column_best as its staging), rounded as written
                                             column_best[p * ROWS + r] = T.Cast("float32", T.Cast(out_dtype, total[0]))
                             if quantizes_y:
                                 if r == 0:
                                     if lane < XQ_WORDS:
                                         if tok0 < n:
                                             # each of the chunk's 4 words in a thread of its own (kernels.quantize_x's
-                                            # rule and order): the chunk's max, the codes' sum, this word's bytes
+                                            # rule and order): total[0] the chunk's max |y|, total[1] 127 / max,
+                                            # total[2] a value; code[0] this word's bytes, code[1] the codes' sum
                                             total[0] = T.float32(0)
                                             for c in T.serial(COLUMNS_PER_GROUP):
                                                 total[2] = column_best[c]
@@ -473,7 +475,7 @@ def quantized_matmul(spec: MatmulSpec):
                                                 # value c is byte (c % 8) // 2 of word 2 (c // 8) + c % 2
                                                 if lane == (c // 8) * 2 + c % 2:
                                                     code[0] = T.bitwise_or(code[0], T.shift_left(
-                                                        T.bitwise_and(c_code, 255), 8 * ((c % 8) // 2)))
+                                                        T.bitwise_and(c_code, BYTE), 8 * ((c % 8) // 2)))
                                             yq[tok0, rb * XQ_WORDS + lane] = T.reinterpret("uint32", code[0])
                                             d: T.let[T.float32] = total[0] / T.float32(CODE_MAX)
                                             ystats[tok0, rb * XQ_WORDS + lane] = T.if_then_else(

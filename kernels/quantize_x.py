@@ -34,9 +34,10 @@ THREADS = 256
 VEC = 4
 CHUNK = 16  # values of x per chunk: one q4 lane load (kernels.llama.WORDS_PER_LOAD words)
 VECS = CHUNK // VEC  # threads per chunk
+WORDS_PER_CHUNK = CHUNK // 4  # the codes' u32 words (4 signed bytes each): even/odd of 2 q4 words
 CHUNKS_PER_GROUP = THREADS // VECS
 CODE_MAX = 127.0  # the codes' range: signed bytes, symmetric
-LOW_NIBBLES = 0x0F0F0F0F  # the matmul's mask: a q4 word's even elements, one a byte
+BYTE = 0xFF
 
 
 def quantize_x(dtype: str, normed: bool, split_head_dim: int | None = None):
@@ -72,6 +73,7 @@ def quantize_x(dtype: str, normed: bool, split_head_dim: int | None = None):
                         code_sums = T.sblock_alloc_buffer((THREADS,), "int32", scope="shared")
                         v = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
                         st = T.sblock_alloc_buffer((2,), "float32", scope="local")  # max |v|, sum x^2
+                        code_sum = T.sblock_alloc_buffer((1,), "int32", scope="local")  # this vector's codes' sum
                         stat = T.sblock_alloc_buffer((2,), "float32", scope="local")
                         o_acc = T.sblock_alloc_buffer((1,), "float32x4", scope="local")
                         split_max = T.sblock_alloc_buffer((MERGE_UNROLL,), "float32", scope="local")
@@ -108,14 +110,15 @@ def quantize_x(dtype: str, normed: bool, split_head_dim: int | None = None):
                         inv: T.let[T.float32] = T.if_then_else(st[0] > T.float32(0), T.float32(CODE_MAX) / st[0],
                                                                T.float32(0))
                         # this vector's codes: elements 0, 2 go to an "even" word, 1, 3 to an "odd" one
-                        code_sums[t] = T.int32(0)
+                        code_sum[0] = T.int32(0)
                         for h in T.unroll(2):
                             lo: T.let[T.int32] = T.Cast("int32", T.floor(T.float32(0.5) + T.Shuffle([v[0]], [h]) * inv))
                             hi: T.let[T.int32] = T.Cast("int32", T.floor(T.float32(0.5) + T.Shuffle([v[0]], [h + 2]) * inv))
-                            code_sums[t] = code_sums[t] + lo + hi
+                            code_sum[0] = code_sum[0] + lo + hi
                             halves[2 * t + h] = T.bitwise_or(
-                                T.bitwise_and(T.reinterpret("uint32", lo), T.uint32(0xFF)),
-                                T.shift_left(T.bitwise_and(T.reinterpret("uint32", hi), T.uint32(0xFF)), T.uint32(8)))
+                                T.bitwise_and(T.reinterpret("uint32", lo), T.uint32(BYTE)),
+                                T.shift_left(T.bitwise_and(T.reinterpret("uint32", hi), T.uint32(BYTE)), T.uint32(8)))
+                        code_sums[t] = code_sum[0]
                         T.tvm_storage_sync("shared")
                         if vec < vecs:
                             # word k of the chunk: vectors 2 (k // 2) and 2 (k // 2) + 1, their even

@@ -135,7 +135,8 @@ class _Loader:
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         self.specs, self.attention = runnable_kernels(library, config, self.dtype, device,
-                                                      self.options.matmul_subgroups, self.options.matmul_int8_x)
+                                                      self.options.matmul_subgroups, self.options.matmul_int8_x,
+                                                      self.options.fold_norms)
         self.options = dataclasses.replace(self.options,
                                            matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None,
                                            matmul_int8_x=matmul_int8_x(self.specs))
@@ -227,38 +228,50 @@ def pick_matmul_subgroup_lanes(library, config: LlamaConfig, dtype: str, device,
     return None
 
 
-# The int8_x decode matmuls by default only for models at least this wide: each adds a quantize
-# dispatch before it (~4.5 us on the H200), which the 8B shape's matmuls repay (GPU ms a step at
-# 3,060 tokens 3.78 -> 3.25) but the 1B's do not (0.986 -> 1.006) nor SmolLM2's (0.87 -> 1.09 at 1,536;
-# wgpu over Vulkan, f16, one device call, docs/benchmarks.md).
+# The int8_x decode matmuls by default only for models at least this wide: the quantizers add 2-3
+# dispatches a layer (alone 5.7 us each on the H200), which the 8B shape's matmuls repay many times
+# over (GPU ms a step at 3,060 tokens 3.79 -> 3.20) but the smaller shapes barely or not at all: the
+# 1B 0.986 -> 0.970 for 32 more dispatches a step (not measured in the page, where its step is
+# near the host's bound), SmolLM2 0.87 -> 1.09 at 1,536 tokens (wgpu over Vulkan, f16,
+# docs/benchmarks.md).
 INT8_X_MIN_DIM = 4096
 
 
-def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | None, wanted: bool | None) -> bool:
+def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | None, wanted: bool | None,
+                       device=None, fold_norms: bool = True) -> bool:
     """Whether the decode matmuls read int8 codes of x (MatmulSpec.int8_x): by default (`wanted`
     None) for models of INT8_X_MIN_DIM or wider, where the artifact has them beside the subgroup
-    build `lanes` (the GPUs' path); never with `wanted` False; with `wanted` True wherever the
-    artifact has them, and not having them is a ModelError."""
+    build `lanes` (the GPUs' path), the device's WGSL has dot4I8Packed and the norms are folded (the
+    only roles built so); never with `wanted` False; with `wanted` True wherever all that holds, and
+    not holding is a ModelError."""
     if wanted is False or (wanted is None and config.dim < INT8_X_MIN_DIM):
         return False
-    if lanes is not None and all(spec.name in library.specs for spec in llama_kernels(config, dtype, lanes, True).values()):
+    why_not = None
+    if lanes is None:
+        why_not = "it runs only beside the decode matmuls' subgroup builds, which this adapter does not run"
+    elif device is not None and not device.has_packed_int8_dot:
+        why_not = "this browser's WGSL has no dot4I8Packed (packed_4x8_integer_dot_product)"
+    elif not fold_norms:
+        why_not = "it runs only with the norms folded into the matmuls (fold_norms)"
+    elif not all(spec.name in library.specs for spec in llama_kernels(config, dtype, lanes, True).values()):
+        why_not = f"the kernel artifact has no int8_x build of this model's decode matmuls for {lanes} lanes"
+    if why_not is None:
         return True
     if wanted:
-        raise ModelError("matmul_int8_x was asked for, but " + (
-            "it runs only beside the decode matmuls' subgroup builds, which this adapter does not run" if lanes is None
-            else f"the kernel artifact has no int8_x build of this model's decode matmuls for {lanes} lanes"))
+        raise ModelError(f"matmul_int8_x was asked for, but {why_not}")
     return False
 
 
 def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None,
-                       matmul_int8_x: bool | None = None) -> dict:
+                       matmul_int8_x: bool | None = None, fold_norms: bool = True) -> dict:
     """role -> spec (contract.kernels.llama_kernels) of every model kernel the forward pass may run,
     each present in the artifact: kernels are compiled for row widths and head_dim, not for a model,
     so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing. The
     decode matmuls are the subgroup build `pick_matmul_subgroup_lanes` picks, if any, reading int8
     codes of x where `pick_matmul_int8_x` says so."""
     lanes = pick_matmul_subgroup_lanes(library, config, dtype, device, matmul_subgroups)
-    specs = llama_kernels(config, dtype, lanes, pick_matmul_int8_x(library, config, dtype, lanes, matmul_int8_x))
+    specs = llama_kernels(config, dtype, lanes,
+                          pick_matmul_int8_x(library, config, dtype, lanes, matmul_int8_x, device, fold_norms))
     unfit = [f"{role} ({why})" for role, spec in specs.items() if (why := spec.unsupported())]
     if unfit:
         raise ModelError(f"this model's sizes do not fit the kernels' grids: {'; '.join(unfit)}")
@@ -279,11 +292,11 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, ma
 
 
 def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
-                     matmul_subgroups: bool | None = None,
-                     matmul_int8_x: bool | None = None) -> tuple[dict, AttentionKernels]:
+                     matmul_subgroups: bool | None = None, matmul_int8_x: bool | None = None,
+                     fold_norms: bool = True) -> tuple[dict, AttentionKernels]:
     """The model kernels' specs and the attention kernels that run `config` on this device, or a
     ModelError naming what the artifact lacks (before any weight is read)."""
-    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups, matmul_int8_x),
+    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups, matmul_int8_x, fold_norms),
             _attention_kernels(library, config, dtype, device))
 
 

@@ -69,7 +69,8 @@ class RunOptions:
     time_attention_every: int | None = None
     # A split attention call's partial states merged inside the o-projection (one dispatch a layer
     # fewer) rather than by the merge kernel. None: where contract.kernels.o_merges_splits says it pays
-    # (the o workgroups' reads of the states stay small); True: always; False: never.
+    # (the o workgroups' reads of the states stay small); True: always; False: never. Where the int8
+    # decode matmuls run (matmul_int8_x), the o-projection's quantizer merges instead, whatever this says.
     merge_in_o: bool | None = None
     # The decode matmuls' subgroup builds (lanes' partials added by shuffles; contract.kernels.
     # MatmulSpec.subgroup_lanes). None: where this adapter's subgroups fit a build the artifact has;

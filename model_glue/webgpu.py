@@ -71,6 +71,10 @@ class Device:
         self.limits = limits
         self.has_f16 = "shader-f16" in self.features
         self.has_timestamps = "timestamp-query" in self.features
+        # WGSL's dot4I8Packed (the int8 decode matmuls, MatmulSpec.int8_x): a WGSL language feature,
+        # not a device feature; wgpu 0.32's naga compiles it (seen on lavapipe and an H200), a
+        # browser says whether it does in navigator.gpu.wgslLanguageFeatures (BrowserDevice.open)
+        self.has_packed_int8_dot = True
         # The fewest and most invocations a subgroup of this device holds (None without
         # `subgroups`; each backend finds them its own way): a subgroup-layout kernel runs only if
         # its row lanes fit in one (model_glue.attention).

@@ -23,6 +23,8 @@ def _is_null(value) -> bool:
 
 # How long a failed map waits for the device's `lost` promise before the failure is classified.
 LOST_WAIT_MS = 200
+# The WGSL language feature of dot4I8Packed (navigator.gpu.wgslLanguageFeatures; Device.has_packed_int8_dot)
+PACKED_INT8_DOT = "packed_4x8_integer_dot_product"
 
 
 class BrowserDevice(Device):
@@ -54,6 +56,9 @@ class BrowserDevice(Device):
         parts = [str(getattr(info, k, "") or "") for k in ("vendor", "architecture", "device", "description")]
         name = " / ".join(p for p in parts if p) or "unknown adapter"
         opened = cls(device, name, features, limits)
+        wgsl_features = getattr(gpu, "wgslLanguageFeatures", None)
+        opened.has_packed_int8_dot = bool(wgsl_features is not None and not _is_null(wgsl_features)
+                                          and wgsl_features.has(PACKED_INT8_DOT))
         if "subgroups" in features:
             # The adapter's supported bounds, no probe: whatever size the browser gives any pipeline
             # (a 256-invocation kernel's too) lies within them, unlike one measured pipeline's. That

@@ -332,6 +332,18 @@ def test_the_int8_x_quantizer_merges_a_split_call(loop, gpu, test_library, tiny_
     assert all(model.attention.merge not in plan.per_step_kernels for plan in plans)
 
 
+def test_int8_x_asked_for_where_it_cannot_run_is_refused(loop, gpu, test_library, tiny_dir, monkeypatch):
+    """matmul_int8_x=True with the norms apart (no int8 roles exist for that path), or on a device whose
+    WGSL lacks dot4I8Packed, is a clear ModelError at load, never a silent f16 run or a shader error."""
+    if not (gpu.subgroup_min_size or 0) >= 8:
+        pytest.skip(f"{gpu.adapter_name} has no subgroups of 8 or more")
+    with pytest.raises(ModelError, match="norms folded"):
+        load(loop, gpu, test_library, tiny_dir, "float32", fold_norms=False, matmul_subgroups=True, matmul_int8_x=True)
+    monkeypatch.setattr(gpu, "has_packed_int8_dot", False)
+    with pytest.raises(ModelError, match="dot4I8Packed"):
+        load(loop, gpu, test_library, tiny_dir, "float32", fold_norms=True, matmul_subgroups=True, matmul_int8_x=True)
+
+
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):
     from model_glue.kernel import DispatchPlan, StaleBindingError
 
