@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, PAGE_SIZE, MatmulSpec
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
-from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS
+from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
@@ -472,10 +472,9 @@ def quantized_matmul(spec: MatmulSpec):
                                                 total[2] = column_best[c]
                                                 c_code: T.let[T.int32] = T.Cast("int32", T.floor(T.float32(0.5) + total[2] * total[1]))
                                                 code[1] = code[1] + c_code
-                                                # value c is byte (c % 8) // 2 of word 2 (c // 8) + c % 2
-                                                if lane == (c // 8) * 2 + c % 2:
+                                                if lane == code_position(c)[0]:  # value c is in this thread's word
                                                     code[0] = T.bitwise_or(code[0], T.shift_left(
-                                                        T.bitwise_and(c_code, BYTE), 8 * ((c % 8) // 2)))
+                                                        T.bitwise_and(c_code, BYTE), 8 * code_position(c)[1]))
                                             yq[tok0, rb * XQ_WORDS + lane] = T.reinterpret("uint32", code[0])
                                             d: T.let[T.float32] = total[0] / T.float32(CODE_MAX)
                                             ystats[tok0, rb * XQ_WORDS + lane] = T.if_then_else(

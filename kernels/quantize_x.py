@@ -40,6 +40,13 @@ CODE_MAX = 127.0  # the codes' range: signed bytes, symmetric
 BYTE = 0xFF
 
 
+def code_position(c: int) -> tuple[int, int]:
+    """(word, byte) of value c of a chunk in its 4 words of codes: word 2u + h holds q4 word u's even
+    (h = 0) or odd (h = 1) elements, in order. The kernel below packs by this rule four values a
+    thread; MatmulSpec.quantizes_y's epilogue (kernels.llama) packs by it one word a thread."""
+    return (c // 8) * 2 + c % 2, (c % 8) // 2
+
+
 def quantize_x(dtype: str, normed: bool, split_head_dim: int | None = None):
     """xq, xstats (above) of x [n, 4 * vecs] (`vecs` 4-wide vectors, a runtime size; chunks = vecs / 4)."""
     merges = split_head_dim is not None

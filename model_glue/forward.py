@@ -188,7 +188,12 @@ def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=N
         _quantize_x(m, enc, INT8_X_MATMULS[role], x, norm)
     if int8_x:
         role += INT8_X_SUFFIX
-    buffers = dict(x) if given_codes else _codes(m) if int8_x else dict(x) if isinstance(x, dict) else {"x": x}
+    if given_codes or (isinstance(x, dict) and not int8_x):
+        buffers = dict(x)  # codes written before, or the partial states the merging o-projection reads
+    elif int8_x:
+        buffers = _codes(m)  # what its quantizer just wrote
+    else:
+        buffers = {"x": x}
     if y_codes is not None:
         buffers.update({"yq": y_codes["xq"], "ystats": y_codes["xstats"]})
     buffers.update({"w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]})
