@@ -101,6 +101,16 @@ MATMUL_SUBGROUP_LANES = (32, 16, 8, 4)
 # Apple, AMD); an adapter with smaller ones runs the builds without subgroups.
 SERVED_MATMUL_SUBGROUP_LANES = 32
 PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefill_matmul.ROWS)
+# Tokens of a prefill matmul's tile (MatmulSpec.token_tile): a pass of at most SHORT_PREFILL_TOKENS
+# tokens (a chat turn's few new ones) runs the short tile, so it does not compute 128 token rows.
+PREFILL_TOKEN_TILE = 128
+SHORT_PREFILL_TOKENS = 32
+# The prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix; kernels.prefill_matmul_matrix): f16
+# fragments of M = N = K = MATRIX_FRAGMENT with f32 results, in subgroups of exactly MATRIX_SUBGROUP.
+MATRIX_FRAGMENT = 16
+MATRIX_SUBGROUP = 32
+MATRIX_SUFFIX = "_matrix"  # a prefill role's subgroup-matrix build (llama_kernels' prefill_matrix)
+SHORT_SUFFIX = "_short"  # a prefill role's short token tile
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
 # is cheaper. Fitted to the H200 (docs/benchmarks.md, one pass, GPU ms a step, merged in o vs apart):
@@ -199,6 +209,11 @@ class MatmulSpec:
     # its quantize dispatch would (but sum x^2, 0: the next matmul, down, has no norm): where a
     # workgroup's columns are one 16-value chunk.
     quantizes_y: bool = False
+    # A prefill matmul's tokens a tile (PREFILL_TOKEN_TILE, or SHORT_PREFILL_TOKENS for short passes).
+    token_tile: int = PREFILL_TOKEN_TILE
+    # A prefill matmul on subgroup matrices (kernels.prefill_matmul_matrix: the tensor cores), f16, for
+    # adapters with chromium-experimental-subgroup-matrix (model_glue.loading.pick_prefill_matrix).
+    matrix: bool = False
 
     def __post_init__(self):
         if self.subgroup_lanes is not None and (self.tiled or self.subgroup_lanes not in MATMUL_SUBGROUP_LANES):
@@ -206,11 +221,19 @@ class MatmulSpec:
                              f"not {self.subgroup_lanes}")
         if self.int8_x and (self.tiled or self.weights != "q4" or self.split_head_dim is not None):
             raise ValueError("int8_x is for a decode q4 matmul that reads x (the quantizer merges a split call)")
+        if self.token_tile not in (PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS) or (
+                self.token_tile != PREFILL_TOKEN_TILE and not self.tiled):
+            raise ValueError(f"token_tile is {PREFILL_TOKEN_TILE} or {SHORT_PREFILL_TOKENS} (a prefill matmul's), "
+                             f"not {self.token_tile}")
+        if self.matrix and (not self.tiled or self.weights != "q4" or self.dtype != "float16"):
+            raise ValueError("matrix is for an f16 q4 prefill matmul (f16 fragments)")
         if self.quantizes_y and (self.tiled or self.columns_per_group != 16 or self.rope_append or self.argmax_partials):
             raise ValueError("quantizes_y is for a decode matmul whose workgroup writes one chunk of 16 columns of y")
 
     @property
     def builder(self) -> str:
+        if self.matrix:
+            return "prefill_matmul_matrix"
         return "quantized_matmul_tiled" if self.tiled else "quantized_matmul"
 
     @property
@@ -230,6 +253,8 @@ class MatmulSpec:
              self.rope_append is not None),
             (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
         rows = "" if self.tiled else f"_r{self.rows_per_thread}"
+        if self.tiled:
+            rows = ("_smx" if self.matrix else "") + (f"_t{self.token_tile}" if self.token_tile != PREFILL_TOKEN_TILE else "")
         if self.compiled_rows is not None:
             rows = f"_n{self.compiled_rows}{rows}"
         out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
@@ -256,7 +281,9 @@ class MatmulSpec:
     def unsupported(self) -> str | None:
         """Why this matmul's sizes cannot run on its kernel, or None (the kernel's grid covers whole
         workgroups of columns, and the rows are whole quantization blocks)."""
-        if self.tiled:
+        if self.matrix:  # its tiles guard their last columns
+            columns = 1
+        elif self.tiled:
             columns = PREFILL_TILE_ROWS // (2 if self.swiglu else 1)
         else:
             columns = self.columns_per_group
@@ -336,15 +363,18 @@ INT8_X_MATMULS = {"norm_qkv_rope_append_decode": "quantize_norm_decode", "o_resi
 
 
 def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
-                  int8_x: bool = False) -> dict[str, MatmulSpec | KernelRole]:
+                  int8_x: bool = False, prefill_matrix: bool = False) -> dict[str, MatmulSpec | KernelRole]:
     """role -> spec of every kernel of a model's forward pass, decode attention apart: the runtime
     finds each as `spec.name` in the artifact and dispatches it with `spec.values`. The decode
     matmuls (the head's included) are the builds for `subgroup_lanes` (MatmulSpec.subgroup_lanes);
     with `int8_x` each of INT8_X_MATMULS also has its int8_x form (role + INT8_X_SUFFIX) and the
     quantizers are roles too (a split call's merge then runs in `quantize_merge_decode`); where the
     gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
-    (MatmulSpec.quantizes_y: no quantizer before down)."""
+    (MatmulSpec.quantizes_y: no quantizer before down). With `prefill_matrix` (f16) the folded prefill
+    matmuls also have their subgroup-matrix builds (role + MATRIX_SUFFIX, `matrix_roles`)."""
     roles = _llama_kernels(c, dtype)
+    if prefill_matrix:
+        roles.update(matrix_roles(roles))
     if subgroup_lanes is not None:
         roles = {role: replace(spec, subgroup_lanes=subgroup_lanes) if isinstance(spec, MatmulSpec) and not spec.tiled
                  else spec for role, spec in roles.items()}
@@ -383,6 +413,11 @@ def down_codes_from_gate_up(specs: dict) -> bool:
     """Whether an int8_x decode step's gate/up matmul writes down's codes of x (MatmulSpec.quantizes_y)."""
     spec = specs.get("norm_gate_up_swiglu_decode" + INT8_X_SUFFIX)
     return spec is not None and spec.quantizes_y
+
+
+def prefill_matrix(specs: dict) -> bool:
+    """Whether a llama_kernels dict has the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)."""
+    return "down_residual_prefill" + MATRIX_SUFFIX in specs
 
 
 def matmul_int8_x(specs: dict) -> bool:
@@ -427,7 +462,28 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
                 *weights[weight], dtype, residual=matmul.endswith("_residual"),
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
                 tiled=phase == "prefill")
+        if phase == "prefill":
+            for matmul in LAYER_MATMULS:
+                roles[f"{matmul}_prefill{SHORT_SUFFIX}"] = replace(roles[f"{matmul}_prefill"],
+                                                                   token_tile=SHORT_PREFILL_TOKENS)
     return roles
+
+
+def prefill_matmul_role(matmul: str, n: int, matrix: bool) -> str:
+    """The role of a prefill pass's matmul (a LAYER_MATMULS key) for n tokens: the short token tile
+    for short passes, the subgroup-matrix build where the model runs it."""
+    return f"{matmul}_prefill{SHORT_SUFFIX * (n <= SHORT_PREFILL_TOKENS)}{MATRIX_SUFFIX * matrix}"
+
+
+# The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup
+# matrices are GPUs, which fold the norms).
+MATRIX_MATMULS = ("norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual")
+
+
+def matrix_roles(roles: dict) -> dict[str, MatmulSpec]:
+    """The subgroup-matrix builds of a llama_kernels dict's prefill matmuls, long and short tiles."""
+    return {role + MATRIX_SUFFIX: replace(roles[role], matrix=True)
+            for matmul in MATRIX_MATMULS for role in (f"{matmul}_prefill", f"{matmul}_prefill{SHORT_SUFFIX}")}
 
 
 @lru_cache(maxsize=64)  # asked a few times every decode step (LlamaModel.o_merges): the answer never changes

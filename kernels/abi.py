@@ -112,11 +112,12 @@ def _device_kernel_abi(func: tirx.PrimFunc) -> dict:
 
 # What the WGSL declares, read at build time only (the runtime never parses WGSL).
 _WGSL_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
-_BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
+BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
 _WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|(\w+)), (\d+)>")
 _POD_STRUCT_RE = re.compile(r"struct PODArgs \{(.*?)\}", re.S)
 _ENABLE_RE = re.compile(r"^enable (\w+);", re.M)
-WGSL_EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups"}  # WGSL `enable` -> device feature
+WGSL_EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups",  # WGSL `enable` -> device feature
+                           "chromium_experimental_subgroup_matrix": "chromium-experimental-subgroup-matrix"}
 
 
 def wgsl_features(wgsl: str) -> list[str]:
@@ -146,7 +147,7 @@ def kernel_spec(name: str, func: tirx.PrimFunc, entry: str, kernel: tirx.PrimFun
                 meta: dict) -> KernelSpec:
     """The manifest entry of `func`, from its lowered device `kernel` and the WGSL emitted for it."""
     abi = _device_kernel_abi(kernel)
-    declared = {int(i): (mode, elem) for i, mode, _var, elem in _BINDING_RE.findall(wgsl)}
+    declared = {int(i): (mode, elem) for i, mode, _var, elem in BINDING_RE.findall(wgsl)}
     originals = {p.name: p for p in func.params if isinstance(p.ty, tirx.BufferType)}
     buffers = []
     for index, handle in enumerate(abi["handles"]):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import tirx
 
-from kernels.abi import kernel_spec
-from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
+from kernels.abi import BINDING_RE, kernel_spec, pod_struct_fields, wgsl_features, workgroup_storage_bytes
+from kernels.prefill_matmul_matrix import WgslKernel
+from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, BufferSpec, KernelSpec
 from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
@@ -36,12 +37,15 @@ class BuiltKernel:
 def build_kernel(name: str, func: tirx.PrimFunc, meta: dict, buffers: tuple[str, ...],
                  max_workgroup_storage: int = WORKGROUP_STORAGE_BYTES, subgroups: bool = False) -> BuiltKernel:
     """Lower `func` for WebGPU (with subgroup operations if `subgroups`) and return its WGSL and
-    manifest entry.
+    manifest entry; a kernel written as WGSL (`WgslKernel`) goes to `build_wgsl_kernel` instead.
 
     Fails when the kernel needs more than WebGPU's default invocations or `max_workgroup_storage`,
     so a kernel that would only run on generous adapters never reaches the artifact, and unless the
     kernel binds exactly the names `buffers` (its spec's: the runtime binds by them).
     """
+    if isinstance(func, WgslKernel):  # its entry point takes the artifact's name, as TVM's global_symbol does
+        func = replace(func, wgsl=func.wgsl.replace(f"fn {func.entry}(", f"fn {name}("), entry=name)
+        return build_wgsl_kernel(name, func, meta, buffers, max_workgroup_storage)
     target = WEBGPU_SUBGROUPS_TARGET if subgroups else WEBGPU_TARGET
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"kernel name {name!r} must be an identifier (it becomes the WGSL entry point)")
@@ -66,6 +70,49 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict, buffers: tuple[str,
         wgsl = _tir_build.codegen_build(device_mod, device_target).inspect_source()
 
     spec = kernel_spec(name, func, gvar.name_hint, kernel, wgsl, meta)
+    spec.compile_seconds = round(time.perf_counter() - started, 3)
+    return BuiltKernel(_checked(spec, buffers, max_workgroup_storage), wgsl)
+
+
+_UNIFORM_RE = re.compile(r"@binding\((\d+)\) var<uniform> podArgs : PODArgs;")
+_WORKGROUP_SIZE_RE = re.compile(r"@workgroup_size\((\d+), (\d+), (\d+)\)")
+
+
+def build_wgsl_kernel(name: str, kernel: WgslKernel, meta: dict, buffers: tuple[str, ...],
+                      max_workgroup_storage: int) -> BuiltKernel:
+    """The manifest entry of a kernel written as WGSL (kernels.prefill_matmul_matrix) from the ABI it
+    declares, after checking that its WGSL declares exactly that: the storage bindings in order
+    with their access and element types, the uniform PODArgs after them, the workgroup size and the
+    entry point. Then the same limits and buffer names as a TVM-built kernel."""
+    wgsl = kernel.wgsl
+    declared = [(int(i), access, buf, elem) for i, access, buf, elem in BINDING_RE.findall(wgsl)]
+    expected = [(i, access, buf, elem) for i, (buf, access, _dtype, elem) in enumerate(kernel.buffers)]
+    problems = []
+    if declared != expected:
+        problems.append(f"its storage bindings are {declared}, its ABI says {expected}")
+    if pod_struct_fields(wgsl) != [*kernel.pod, ("packGridDimX", "u32")]:
+        problems.append(f"its PODArgs are {pod_struct_fields(wgsl)}, its ABI says {list(kernel.pod)} + packGridDimX")
+    if _UNIFORM_RE.findall(wgsl) != [str(len(kernel.buffers))]:
+        problems.append(f"its PODArgs uniform is not bound once, after the {len(kernel.buffers)} storage buffers")
+    if [tuple(int(v) for v in size) for size in _WORKGROUP_SIZE_RE.findall(wgsl)] != [kernel.workgroup_size]:
+        problems.append(f"its workgroup size is not {kernel.workgroup_size}")
+    if kernel.entry != name or not re.search(rf"\bfn {name}\(", wgsl):
+        problems.append(f"it has no entry point {name}")
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems))
+    spec = KernelSpec(
+        name=name, entry=name, wgsl=f"{name}.wgsl",
+        buffers=[BufferSpec(i, buf, access, dtype, elem, []) for i, (buf, access, dtype, elem) in enumerate(kernel.buffers)],
+        pod=[{"name": field, "type": wgsl_type} for field, wgsl_type in kernel.pod],
+        workgroup_size=list(kernel.workgroup_size), grid=list(kernel.grid),
+        workgroup_storage_bytes=workgroup_storage_bytes(wgsl), barriers=wgsl.count("workgroupBarrier()"),
+        meta={**meta, "source": "wgsl"}, features=wgsl_features(wgsl))
+    return BuiltKernel(_checked(spec, buffers, max_workgroup_storage), wgsl)
+
+
+def _checked(spec: KernelSpec, buffers: tuple[str, ...], max_workgroup_storage: int) -> KernelSpec:
+    """`spec`, unless its kernel exceeds the limits it is built within or binds other names than `buffers`."""
+    name = spec.name
     if spec.invocations > MAX_INVOCATIONS:
         raise ValueError(f"{name}: {spec.invocations} invocations per workgroup > {MAX_INVOCATIONS}")
     if spec.workgroup_storage_bytes > max_workgroup_storage:
@@ -73,8 +120,7 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict, buffers: tuple[str,
     if sorted(spec.buffer_names) != sorted(buffers):
         raise ValueError(f"{name}: the kernel binds {spec.buffer_names}, but its spec says the runtime binds "
                          f"{list(buffers)} (contract.kernels)")
-    spec.compile_seconds = round(time.perf_counter() - started, 3)
-    return BuiltKernel(spec, wgsl)
+    return spec
 
 
 def _build_recipe(recipe):

@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
-from contract.kernels import (QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES, SPLIT_WORKSPACE, TILED_WORKGROUP_STORAGE_BYTES,
+from contract.kernels import (PREFILL_TOKEN_TILE, QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES, SHORT_PREFILL_TOKENS, SPLIT_WORKSPACE, TILED_WORKGROUP_STORAGE_BYTES,
                               WORKGROUP_STORAGE_BYTES,
                               AttentionSpec, MatmulSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
@@ -28,6 +28,7 @@ from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
+from kernels.prefill_matmul_matrix import MAX_WORKGROUP_STORAGE, matrix_matmul
 from kernels.probe import row_sum_probe, stream_read_probe
 from kernels.gguf_repack import gguf_repack
 from kernels.quantize_x import quantize_x
@@ -39,7 +40,7 @@ from contract.gguf import GGML_TYPES, REPACK_BUFFERS, REPACK_TARGETS, repack_ker
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe,
     "tiled": decode_attention_tiled, "merge": decode_attention_merge, "prefill_attention": prefill_attention,
-    "quantized_matmul_tiled": quantized_matmul_tiled,
+    "quantized_matmul_tiled": quantized_matmul_tiled, "prefill_matmul_matrix": matrix_matmul,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu,
     "argmax_partials": llama.argmax_partials,
@@ -164,12 +165,15 @@ def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> lis
     (contract.kernels.llama_kernels): configs that share a row width, a head_dim or a model width
     share those kernels, and the runtime finds them by name. The decode matmuls also in each
     subgroup build of `subgroup_lanes` (MatmulSpec.subgroup_lanes), with and without int8 codes of
-    x (MatmulSpec.int8_x: only beside subgroups, the GPUs' path)."""
+    x (MatmulSpec.int8_x: only beside subgroups, the GPUs' path). In f16 the folded prefill matmuls
+    also have their subgroup-matrix builds (MatmulSpec.matrix, WGSL: kernels.prefill_matmul_matrix)."""
     recipes = {}
     for lanes, int8_x in [(None, False)] + [(lanes, int8_x) for lanes in subgroup_lanes for int8_x in (False, True)]:
-        for role, spec in llama_kernels(c, dtype, lanes, int8_x).items():
+        for role, spec in llama_kernels(c, dtype, lanes, int8_x, prefill_matrix=dtype == "float16").items():
+            matrix = getattr(spec, "matrix", False)
             recipes[spec.name] = KernelRecipe(spec.name, spec.builder, spec.args,
                                               {"kind": "llama", "role": role, "dtype": dtype}, spec.buffers,
+                                              MAX_WORKGROUP_STORAGE if matrix else WORKGROUP_STORAGE_BYTES,
                                               subgroups=getattr(spec, "subgroup_lanes", None) is not None)
     return list(recipes.values())
 
@@ -272,10 +276,11 @@ TEST_MATMUL_SUBGROUP_LANES = (8, SERVED_MATMUL_SUBGROUP_LANES)
 
 
 def prefill_matmul_test_name(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
-                             quantizes_y: bool = False) -> str:
+                             quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False) -> str:
     prefix = "test_decode_matmul" if flags in TEST_DECODE_MATMULS else "test_prefill_matmul"
+    tile = ("_smx" if matrix else "") + (f"_t{token_tile}" if token_tile != PREFILL_TOKEN_TILE else "")
     return (f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}{'_xi8' * int8_x}{'_yi8' * quantizes_y}"
-            f"_{DTYPE_TAGS[dtype]}")
+            f"{tile}_{DTYPE_TAGS[dtype]}")
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -292,12 +297,20 @@ def grid_shape(head_dim: int, group: int) -> AttentionShape:
 
 
 def test_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
-                     quantizes_y: bool = False) -> MatmulSpec:
+                     quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False) -> MatmulSpec:
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, residual=residual, norm_eps=1e-5 if norm else None,
                       swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
-                      quantizes_y=quantizes_y)
+                      quantizes_y=quantizes_y, token_tile=token_tile, matrix=matrix)
+
+
+# The prefill matmuls' token tiles and subgroup-matrix builds the tests run, (token tile, matrix) by
+# dtype: the subgroup-matrix builds (f16 only) run on the tests' adapter with their builtins emulated
+# (tests/matrix_emulation.py).
+TEST_PREFILL_TILES = {"float16": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TOKENS, False),
+                                  (PREFILL_TOKEN_TILE, True), (SHORT_PREFILL_TOKENS, True)),
+                      "float32": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TOKENS, False))}
 
 
 TEST_QUANTIZING_MATMUL = "quad_norm_swiglu"  # 16 columns a workgroup: the int8_x build that quantizes y
@@ -326,18 +339,20 @@ def test_recipes() -> list[KernelRecipe]:
     recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
-            builds = [(None, False, False)]  # (subgroup lanes, int8_x, quantizes_y)
+            builds = [(None, False, False, tile, matrix)  # (subgroup lanes, int8_x, quantizes_y, token tile, matrix)
+                      for tile, matrix in (((PREFILL_TOKEN_TILE, False),) if flags in TEST_DECODE_MATMULS
+                                           else TEST_PREFILL_TILES[dtype])]
             if flags in TEST_DECODE_MATMULS:
-                builds += [(lanes, False, False) for lanes in TEST_MATMUL_SUBGROUP_LANES]
-                builds += [(TEST_MATMUL_SUBGROUP_LANES[0], True, False)]
+                builds += [(lanes, False, False, PREFILL_TOKEN_TILE, False) for lanes in TEST_MATMUL_SUBGROUP_LANES]
+                builds += [(TEST_MATMUL_SUBGROUP_LANES[0], True, False, PREFILL_TOKEN_TILE, False)]
             if flags == TEST_QUANTIZING_MATMUL:
-                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, True))
-            for lanes, int8_x, quantizes_y in builds:
-                spec = test_matmul_spec(flags, dtype, lanes, int8_x, quantizes_y)
-                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, lanes, int8_x, quantizes_y),
-                                            spec.builder,
+                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, True, PREFILL_TOKEN_TILE, False))
+            for build in builds:
+                spec = test_matmul_spec(flags, dtype, *build)
+                recipes.append(KernelRecipe(prefill_matmul_test_name(flags, dtype, *build), spec.builder,
                                             spec.args, {"kind": "test_matmul", "dtype": dtype}, spec.buffers,
-                                            subgroups=lanes is not None))
+                                            MAX_WORKGROUP_STORAGE if spec.matrix else WORKGROUP_STORAGE_BYTES,
+                                            subgroups=build[0] is not None))
     for (dtype, normed, merge), name in TEST_QUANTIZERS.items():
         buffers = (SPLIT_WORKSPACE if merge else ("x",)) + ("norm",) * normed + QUANTIZED_X
         recipes.append(KernelRecipe(name, "quantize_x", (dtype, normed, merge), {"kind": "test_quantizer"}, buffers))

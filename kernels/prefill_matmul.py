@@ -5,8 +5,9 @@ folds as the decode matmul (kernels.llama.quantized_matmul): the RMSNorm before 
 the SwiGLU after it (`swiglu`). The decode step keeps the one-token kernel; this one serves chunks
 of many tokens, where each weight should be read once per TOKENS tokens, not once per 8.
 
-    grid (OUT_COLUMNS / COLUMNS_PER_TILE, ceil(n / TOKENS))
-    tid in [0, 256): token quad tq = tid // 8 (tokens 4 tq .. 4 tq + 3 of the tile),
+    grid (OUT_COLUMNS / COLUMNS_PER_TILE, ceil(n / TOKENS)), TOKENS = MatmulSpec.token_tile (128, or 32
+    for a short pass: a chat turn's few tokens should not pay for 128 token rows)
+    tid in [0, 2 TOKENS): token quad tq = tid // 8 (tokens 4 tq .. 4 tq + 3 of the tile),
                      row quad pair rq = tid % 8 (tile rows 4 rq .. and 32 + 4 rq ..)
 
 Per K_STEP columns of `in`, the workgroup stages x's TOKENS x K_STEP values and W's ROWS x K_STEP
@@ -20,7 +21,7 @@ With `norm_eps`: norm(x) @ W^T = inv_rms(x) * (x @ (W * norm)^T), and every thre
 4 tokens from the x tile it reads anyway (one more vector FMA per 8), so the normalized x is never
 stored. Accumulation is f32; x, y and resid are `dtype`.
 
-Workgroup storage: x tile TOKENS * K_STEP f32 (8 KiB), W tile ROWS * K_STEP f32 (4 KiB).
+Workgroup storage: x tile TOKENS * K_STEP f32 (8 KiB; 2 KiB for 32 tokens), W tile ROWS * K_STEP f32 (4 KiB).
 """
 
 from __future__ import annotations
@@ -31,15 +32,11 @@ from contract.kernels import PREFILL_TILE_ROWS, MatmulSpec
 from kernels.llama import BLOCK
 from kernels.paged_kv import VEC
 
-THREADS = 256
-TOKENS = 128  # tokens per tile
 ROWS = 64  # weight rows per tile
 K_STEP = 16  # columns of `in` staged per step (half a quantization block: two q4 words a row)
-TOKEN_QUADS = TOKENS // VEC  # 32
 ROW_QUADS = ROWS // VEC  # 16
 HALF_QUADS = ROW_QUADS // 2  # a thread's second row quad is HALF_QUADS further on
 WORDS_PER_STEP = K_STEP // 8  # q4 words of one row per step
-X_TASKS = TOKEN_QUADS * (K_STEP // VEC)  # (token quad, k quad) loads of the x tile
 W_TASKS = ROW_QUADS * WORDS_PER_STEP  # (row quad, word) loads of the W tile
 
 
@@ -49,13 +46,16 @@ def quantized_matmul_tiled(spec: MatmulSpec):
     assert spec.tiled and spec.weights == "q4" and spec.out_dtype in (None, spec.dtype)
     assert ROWS == PREFILL_TILE_ROWS
     in_features, dtype = spec.in_features, spec.dtype
+    TOKENS = spec.token_tile  # 128 (256 threads), or 32 for short passes (64 threads)
+    TOKEN_QUADS = TOKENS // VEC
+    THREADS = TOKEN_QUADS * HALF_QUADS
+    X_TASKS = TOKEN_QUADS * (K_STEP // VEC)  # (token quad, k quad) loads of the x tile
     residual, normed, swiglu = spec.residual, spec.norm_eps is not None, spec.swiglu
     COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
     STEPS = in_features // K_STEP
     WORDS = in_features // 8
     VEC_DTYPE = f"{dtype}x{VEC}"
     assert in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
-    assert THREADS == TOKEN_QUADS * HALF_QUADS
 
     def out_columns(out_features):  # y's width
         return out_features // 2 if swiglu else out_features

@@ -1,4 +1,5 @@
-"""The prefill kernels against float64: causal paged prefill attention and the tiled q4 matmul.
+"""The prefill kernels against float64: causal paged prefill attention and the tiled q4 matmul (its
+128- and 32-token tiles, and its subgroup-matrix build with the builtins emulated: tests/matrix_emulation.py).
 
 Kernels come from the test artifact (kernels.catalog: TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS).
 f16 outputs must be within 2e-5 of their own floor (the f64 result rounded to f16) or 2.5e-4 relative
@@ -7,13 +8,18 @@ L2, f32 outputs within 1e-5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from convert.weights import dequant_q4, pack_q4
 from kernels.catalog import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION,
-                             TEST_PREFILL_MATMULS, prefill_matmul_test_name, test_matmul_spec as matmul_spec_of)
-from model_glue.kernel import evaluate
+                             TEST_PREFILL_MATMULS, TEST_PREFILL_TILES, prefill_matmul_test_name,
+                             test_matmul_spec as matmul_spec_of)
+from model_glue.kernel import Kernel, evaluate
+from model_glue.webgpu import SUBGROUP_MATRIX
+from matrix_emulation import emulated
 from kernels.prefill_attention import prefill_layout
 from contract.kernels import PAGE_SIZE, AttentionSpec
 from attention_reference import relative_l2
@@ -116,27 +122,45 @@ def random_q4(rng, rows, cols):
     return pack_q4(codes), scale, minv
 
 
-MATMUL_CASES = [(flags, None) for flags in TEST_PREFILL_MATMULS] + [
-    (flags, lanes) for flags in TEST_DECODE_MATMULS for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES)]
+MATMUL_CASES = [(flags, None, dtype, tile, matrix) for flags in TEST_PREFILL_MATMULS
+                for dtype, tiles in TEST_PREFILL_TILES.items() for tile, matrix in tiles] + [
+    (flags, lanes, dtype, 128, False) for flags in TEST_DECODE_MATMULS for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES)
+    for dtype in ("float16", "float32")]
 
 
-@pytest.mark.parametrize("flags,subgroup_lanes", MATMUL_CASES,
-                         ids=[f"{flags}{f'-sg{lanes}' if lanes else ''}" for flags, lanes in MATMUL_CASES])
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, subgroup_lanes, dtype):
-    """y = x @ W^T with each fold, for token counts below, at and past a 128-token tile (the tiled
-    prefill matmul), and the decode matmul on rows of 96-4,096 weights, with one, two and four weight
-    rows a thread (the grid says which: each doubling halves the workgroups), its lanes' partials
-    meeting in workgroup memory or first S at a time by subgroup shuffles (where the adapter's
-    subgroups hold S)."""
+def matrix_kernel(loop, gpu, test_library, test_artifact_dir, name):
+    """A subgroup-matrix kernel of the test artifact with its builtins emulated (the adapter has none)."""
+    spec = test_library.specs[name]
+    assert SUBGROUP_MATRIX in spec.features and spec.meta["source"] == "wgsl"
+    wgsl = emulated((test_artifact_dir / spec.wgsl).read_text())
+    plain = dataclasses.replace(spec, features=[f for f in spec.features if f != SUBGROUP_MATRIX])
+    return loop.run_until_complete(Kernel.compile(gpu, plain, wgsl))
+
+
+@pytest.mark.parametrize("flags,subgroup_lanes,dtype,token_tile,matrix", MATMUL_CASES,
+                         ids=[f"{flags}{f'-sg{lanes}' if lanes else ''}{'-smx' * matrix}"
+                              f"{f'-t{tile}' if tile != 128 else ''}-{dtype}"
+                              for flags, lanes, dtype, tile, matrix in MATMUL_CASES])
+def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, flags, subgroup_lanes, dtype,
+                                    token_tile, matrix):
+    """y = x @ W^T with each fold, for token counts below, at and past a token tile (the tiled
+    prefill matmul: 128-token tiles, 32-token tiles for short passes, and the subgroup-matrix build,
+    emulated here, whose f16 products round the dequantized weight (times the norm's) to f16: its
+    reference does too), and the decode matmul on rows of 96-4,096 weights, with one, two and four
+    weight rows a thread (the grid says which: each doubling halves the workgroups), its lanes'
+    partials meeting in workgroup memory or first S at a time by subgroup shuffles (where the
+    adapter's subgroups hold S)."""
     skip_without_f16(gpu, dtype)
     if subgroup_lanes and not (gpu.subgroup_min_size and subgroup_lanes <= gpu.subgroup_min_size):
         pytest.skip(f"{gpu.adapter_name}'s subgroups ({gpu.subgroup_min_size or 'none'}) hold no run of "
                     f"{subgroup_lanes} lanes")
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
-    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype, subgroup_lanes)))
-    spec = matmul_spec_of(flags, dtype, subgroup_lanes)  # out_features and eps are the kernel's runtime values
+    name = prefill_matmul_test_name(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
+    kernel = matrix_kernel(loop, gpu, test_library, test_artifact_dir, name) if matrix else \
+        loop.run_until_complete(test_library.kernel(name))
+    # out_features and eps are the kernel's runtime values
+    spec = matmul_spec_of(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
     if decode:
         rows_per_thread = {"paired": 2, "quad": 4}.get(flags.split("_")[0], 1)
         columns = out_features // 2 if swiglu else out_features
@@ -144,15 +168,18 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, flags, subgroup_lan
         assert grid == columns // (8 * rows_per_thread // (2 if swiglu else 1)), kernel.spec.grid
     rng = np.random.default_rng(len(flags))
     words, scale, minv = random_q4(rng, out_features, in_features)
-    w = dequant_q4(words, scale, minv).astype(np.float64)
+    w = dequant_q4(words, scale, minv)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32)
+    if matrix:  # the f16 fragments: the dequantized weight times the norm's, rounded to f16
+        w = (w * (norm_weight if norm else np.float32(1))).astype(np.float16)
+    w = w.astype(np.float64)
     columns = out_features // 2 if swiglu else out_features
-    for n in ((1, 2) if decode else (1, 37, 128, 300)):
+    for n in ((1, 2) if decode else (1, 31, 37, 128, 300)):
         x = rng.standard_normal((n, in_features)).astype(NP_DTYPE[dtype])
         resid = rng.standard_normal((n, columns)).astype(NP_DTYPE[dtype])
         xf = x.astype(np.float64)
         if norm:
-            xf = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5) * norm_weight
+            xf = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5) * (1 if matrix else norm_weight)
         ref = xf @ w.T
         if swiglu:
             gate, up = ref[:, :columns], ref[:, columns:]

@@ -1,0 +1,217 @@
+"""The prefill pass's 4-bit matmul on subgroup matrices (the tensor cores), written as WGSL.
+
+y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama), with the folds
+of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the SwiGLU
+after it (`swiglu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
+
+Why WGSL text and not TVMScript: TVM 0.27's WebGPU codegen emits no subgroup-matrix code (its SPIR-V
+codegen has cooperative matrices), and WebGPU's subgroup matrices exist only as Chromium's
+experimental extension (`chromium_experimental_subgroup_matrix`). The kernel is made under the same
+contract as the TVM-built ones: `matrix_matmul(spec)` returns the WGSL and its ABI (bindings,
+PODArgs, workgroup size, grid), and the build (kernels.build.build_wgsl_kernel) checks that the
+WGSL declares exactly that before it enters the manifest.
+
+    grid (column tiles, ceil(n / TOKENS)); 128 invocations = 4 subgroups of 32
+    a tile: TOKENS tokens x 128 weight rows (with swiglu: 64 gate rows, then the up rows of the same
+    64 columns); subgroup s computes tokens sm * TOKENS / SUBGROUPS_M .. and rows sn * 128 / SUBGROUPS_N ..
+    as FRAGS_M x FRAGS_N 16 x 16 fragments (sm, sn = s % SUBGROUPS_M, s / SUBGROUPS_M)
+
+Per K_STEP = 32 columns of `in` (one q4 block of every row), the workgroup stages x's tile and W's
+dequantized tile (times the norm's weight) in workgroup memory as f16, rows padded by 8 halves (a
+probe measured unpadded tiles 2.5x slower), with the next step's raw words and x already loaded into
+registers while the fragments multiply. Each thread stages the same 4 tokens' quarter of x at every
+step and keeps their sums of x^2, so the norm's 1 / rms needs no second read of x. The epilogue
+passes through workgroup memory 16 token rows at a time (the whole tile's f32 results would not fit):
+the kernel needs less than 32 KiB of workgroup storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contract.kernels import MatmulSpec
+
+SUBGROUP = 32  # invocations a subgroup: the kernel runs only where every subgroup has exactly this many
+FRAG = 16  # the fragments' M = N = K (an f16 -> f32 subgroup-matrix config the adapter must list)
+THREADS = 128  # 4 subgroups
+ROWS = 128  # weight rows of a tile
+K_STEP = 32  # columns of `in` staged per step: one q4 block (4 words) of each row
+PAD = 8  # halves of padding after each staged row
+A_STRIDE = K_STEP + PAD  # x tile [token][k]
+B_STRIDE = ROWS + PAD  # W tile [k][row]
+EPILOGUE_TOKENS = 16  # token rows of the f32 results staged at once for the epilogue (within 32 KiB in all)
+C_STRIDE = ROWS + 4
+X_WORDS = K_STEP // 8  # vec4<u32> loads of one token's x per step (8 halves each)
+# Token tiles: (subgroups along tokens, subgroups along rows, fragments a subgroup along each).
+TILE_LAYOUTS = {128: (2, 2, 4, 4), 32: (1, 4, 2, 2)}
+MAX_WORKGROUP_STORAGE = 32768  # what the kernels may need (an adapter's maxComputeWorkgroupStorageSize)
+
+
+@dataclass(frozen=True)
+class WgslKernel:
+    """A kernel written as WGSL, with the ABI the build checks it against: storage buffers in binding
+    order as (name, access, element dtype, WGSL element type), then the PODArgs fields (name, WGSL
+    type) and `packGridDimX: u32` in a uniform, the workgroup size and the grid (manifest expressions)."""
+
+    wgsl: str
+    entry: str
+    buffers: tuple[tuple[str, str, str, str], ...]
+    pod: tuple[tuple[str, str], ...]
+    workgroup_size: tuple[int, int, int]
+    grid: tuple
+
+
+def column_tile(spec: MatmulSpec) -> int:
+    """Columns of y a workgroup writes."""
+    return ROWS // 2 if spec.swiglu else ROWS
+
+
+def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
+    """The subgroup-matrix prefill matmul of `spec` (tiled, matrix, q4, f16), its name the entry point.
+    `n`, `out_features` (W's rows) and `eps` are runtime values, as in the scalar tiled kernel."""
+    assert spec.tiled and spec.matrix and spec.weights == "q4" and spec.dtype == "float16"
+    assert spec.in_features % K_STEP == 0 and spec.token_tile in TILE_LAYOUTS
+    tokens, (sub_m, sub_n, frags_m, frags_n) = spec.token_tile, TILE_LAYOUTS[spec.token_tile]
+    assert sub_m * sub_n * SUBGROUP == THREADS and sub_n * frags_n * FRAG == ROWS
+    assert sub_m * frags_m * FRAG == tokens and tokens % EPILOGUE_TOKENS == 0
+    name = spec.name
+    normed, swiglu, residual = spec.norm_eps is not None, spec.swiglu, spec.residual
+    steps, x_row_vecs = spec.in_features // K_STEP, spec.in_features // 8  # x rows in vec4<u32> (8 halves)
+    x_loads = tokens * X_WORDS // THREADS  # vec4<u32> loads of x per thread per step
+    sub_tokens = frags_m * FRAG  # a subgroup's tokens
+    columns = column_tile(spec)
+
+    buffers = [("x", "read", "float16", "vec4<u32>")]
+    buffers += [("norm", "read", "float32", "f32")] if normed else []
+    buffers += [("w", "read", "uint32", "vec4<u32>"), ("scale", "read", "float32", "f32"),
+                ("wmin", "read", "float32", "f32")]
+    buffers += [("resid", "read", "float16", "f16")] if residual else []
+    buffers += [("y", "read_write", "float16", "f16")]
+    assert tuple(b[0] for b in buffers) == spec.buffers, (buffers, spec.buffers)
+    pod = (("n", "i32"), ("out_features", "i32")) + ((("eps", "f32"),) if normed else ())
+    width = ["//", "out_features", 2] if swiglu else "out_features"
+    grid = (["//", ["+", width, columns - 1], columns], ["//", ["+", "n", tokens - 1], tokens])
+
+    lines = [
+        "diagnostic(off, chromium.subgroup_matrix_uniformity);",
+        "enable f16;",
+        "enable chromium_experimental_subgroup_matrix;",
+        "",
+    ]
+    lines += [f"@group(0) @binding({i}) var<storage, {access}> {buf} : array<{wgsl_type}>;"
+              for i, (buf, access, _dtype, wgsl_type) in enumerate(buffers)]
+    lines += ["", "struct PODArgs {"] + [f"  {field}: {wgsl_type}," for field, wgsl_type in pod]
+    lines += ["  packGridDimX: u32", "}", f"@group(0) @binding({len(buffers)}) var<uniform> podArgs : PODArgs;", ""]
+    lines += [
+        f"var<workgroup> x_tile : array<f16, {tokens * A_STRIDE}>;  // [token][k], f16",
+        f"var<workgroup> w_tile : array<f16, {K_STEP * B_STRIDE}>;  // [k][row], dequantized (times the norm)",
+        f"var<workgroup> results : array<f32, {EPILOGUE_TOKENS * C_STRIDE}>;  // [token][row] of 16 tokens",
+        f"var<workgroup> row_scale : array<f32, {tokens}>;  // each token's 1 / rms (1 without the norm)",
+    ] + [f"var<workgroup> squares : array<f32, {tokens * X_WORDS}>;  // each token's quarters' sums of x^2"] * normed + [
+        "",
+        f"@compute @workgroup_size({THREADS}, 1, 1)",
+        f"fn {name}(@builtin(workgroup_id) wid : vec3<u32>, @builtin(local_invocation_index) tid : u32) {{",
+        "  let n = podArgs.n;",
+        "  let out_features = podArgs.out_features;",
+        f"  let subgroup = tid / {SUBGROUP}u;",
+        f"  let sm = subgroup % {sub_m}u;",
+        f"  let sn = subgroup / {sub_m}u;",
+        f"  let tok0 = i32(wid.y) * {tokens};",
+        "",
+        "  // x: each thread stages quarter tid % 4 (8 halves) of tokens tid / 4 + 32 i",
+        f"  let quarter = tid % {X_WORDS}u;",
+    ]
+    for i in range(x_loads):
+        token = f"tid / {X_WORDS}u + {i * THREADS // X_WORDS}u"
+        lines += [f"  let x_token{i} = {token};",
+                  f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter;",
+                  f"  var x_raw{i} : vec4<u32>;"] + [f"  var x_sq{i} = 0.0f;"] * normed
+    lines += ["", "  // W: each thread dequantizes one row's block"]
+    if swiglu:  # tile rows 0-63 are gate rows, 64-127 the up rows of the same columns
+        lines += ["  let half_rows = out_features / 2;",
+                  f"  let column = i32(wid.x) * {columns} + i32(tid % {columns}u);",
+                  f"  let w_row = u32(min(column, half_rows - 1) + select(0, half_rows, tid >= {columns}u));"]
+    else:
+        lines += [f"  let w_row = u32(min(i32(wid.x) * {ROWS} + i32(tid), out_features - 1));"]
+    lines += [f"  let w_block0 = w_row * {steps}u;", "  var w_raw : vec4<u32>;", "  var w_scale : f32;",
+              "  var w_min : f32;", ""]
+    lines += [f"  var acc{i}_{j} = subgroup_matrix_result<f32, {FRAG}, {FRAG}>();"
+              for i in range(frags_m) for j in range(frags_n)]
+
+    def load(step: str) -> list[str]:
+        out = [f"    x_raw{i} = x[x_at{i} + {step} * {X_WORDS}u];" for i in range(x_loads)]
+        return out + [f"    w_raw = w[w_block0 + {step}];", f"    w_scale = scale[w_block0 + {step}];",
+                      f"    w_min = wmin[w_block0 + {step}];"]
+
+    lines += ["  {"] + load("0u") + ["  }"]
+    lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
+    for i in range(x_loads):
+        lines += [f"    for (var h = 0u; h < 4u; h = h + 1u) {{",
+                  f"      let pair = unpack2x16float(x_raw{i}[h]);  // two halves of x, exactly",
+                  f"      let at = x_token{i} * {A_STRIDE}u + quarter * 8u + 2u * h;",
+                  "      x_tile[at] = f16(pair.x);", "      x_tile[at + 1u] = f16(pair.y);"]
+        lines += [f"      x_sq{i} = x_sq{i} + dot(pair, pair);"] * normed + ["    }"]
+    lines += ["    for (var word = 0u; word < 4u; word = word + 1u) {",
+              "      for (var e = 0u; e < 8u; e = e + 1u) {",
+              "        let k = word * 8u + e;",
+              "        let value = f32((w_raw[word] >> (4u * e)) & 15u) * w_scale + w_min;",
+              f"        w_tile[k * {B_STRIDE}u + tid] = f16(value{f' * norm[step * {K_STEP}u + k]' if normed else ''});",
+              "      }", "    }", "    workgroupBarrier();",
+              f"    if (step + 1u < {steps}u) {{"] + load("(step + 1u)") + ["    }"]
+    for kk in range(0, K_STEP, FRAG):
+        for i in range(frags_m):
+            lines.append(f"    let left{kk}_{i} = subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>("
+                         f"&x_tile, (sm * {sub_tokens}u + {i * FRAG}u) * {A_STRIDE}u + {kk}u, {A_STRIDE}u);")
+        for j in range(frags_n):
+            lines.append(f"    {{ let right = subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, row_major>("
+                         f"&w_tile, {kk * B_STRIDE}u + sn * {frags_n * FRAG}u + {j * FRAG}u, {B_STRIDE}u);")
+            lines += [f"      acc{i}_{j} = subgroupMatrixMultiplyAccumulate(left{kk}_{i}, right, acc{i}_{j});"
+                      for i in range(frags_m)]
+            lines.append("    }")
+    lines.append("  }")
+
+    # each token's 1 / rms from its quarters' sums of x^2
+    lines += [""] + [f"  squares[x_token{i} * {X_WORDS}u + quarter] = x_sq{i};" for i in range(x_loads) if normed]
+    lines += ["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{"]
+    if normed:
+        lines += ["    var sum = 0.0f;",
+                  f"    for (var q = 0u; q < {X_WORDS}u; q = q + 1u) {{ sum = sum + squares[t * {X_WORDS}u + q]; }}",
+                  f"    row_scale[t] = inverseSqrt(sum / {float(spec.in_features)}f + podArgs.eps);"]
+    else:
+        lines += ["    row_scale[t] = 1.0f;"]
+    lines.append("  }")
+
+    # the epilogue, EPILOGUE_TOKENS token rows at a time: the subgroup that holds them stores its
+    # fragments, then every thread reads its column(s) back
+    frags_per_pass = EPILOGUE_TOKENS // FRAG
+    for part in range(tokens // EPILOGUE_TOKENS):
+        first = part * EPILOGUE_TOKENS
+        owner, i0 = first // sub_tokens, (first % sub_tokens) // FRAG
+        lines += ["  workgroupBarrier();", f"  if (sm == {owner}u) {{"]
+        lines += [f"    subgroupMatrixStore<row_major>(&results, {di * FRAG * C_STRIDE}u + sn * {frags_n * FRAG}u + "
+                  f"{j * FRAG}u, acc{i0 + di}_{j}, {C_STRIDE}u);" for di in range(frags_per_pass) for j in range(frags_n)]
+        lines += ["  }", "  workgroupBarrier();"]
+        if swiglu:  # thread: column tid % 64 of the part's tokens (tid / 64) * 8 .. + 7
+            rows_each = EPILOGUE_TOKENS * columns // THREADS
+            lines += [f"  for (var r = 0u; r < {rows_each}u; r = r + 1u) {{",
+                      f"    let local = (tid / {columns}u) * {rows_each}u + r;",
+                      f"    let token = tok0 + {first} + i32(local);",
+                      f"    let column = i32(wid.x) * {columns} + i32(tid % {columns}u);",
+                      "    if (token < n && column < half_rows) {",
+                      f"      let s = row_scale[{first}u + local];",
+                      f"      let gate = results[local * {C_STRIDE}u + tid % {columns}u] * s;",
+                      f"      let up = results[local * {C_STRIDE}u + {columns}u + tid % {columns}u] * s;",
+                      "      y[u32(token * half_rows + column)] = f16(gate / (1.0f + exp(-gate)) * up);",
+                      "    }", "  }"]
+        else:  # thread: column tid of every token
+            lines += [f"  for (var r = 0u; r < {EPILOGUE_TOKENS}u; r = r + 1u) {{",
+                      f"    let token = tok0 + {first} + i32(r);",
+                      f"    let column = i32(wid.x) * {ROWS} + i32(tid);",
+                      "    if (token < n && column < out_features) {",
+                      f"      let at = u32(token * out_features + column);",
+                      f"      let value = results[r * {C_STRIDE}u + tid] * row_scale[{first}u + r];",
+                      "      y[at] = f16(value + f32(resid[at]));" if residual else "      y[at] = f16(value);",
+                      "    }", "  }"]
+    lines.append("}")
+    wgsl = "\n".join(lines) + "\n"
+    return WgslKernel(wgsl, name, tuple(buffers), pod, (THREADS, 1, 1), grid)
