@@ -16,8 +16,8 @@ WGSL declares exactly that before it enters the manifest.
     64 columns); subgroup s computes tokens sm * TOKENS / SUBGROUPS_M .. and rows sn * 128 / SUBGROUPS_N ..
     as FRAGS_M x FRAGS_N 16 x 16 fragments (sm, sn = s % SUBGROUPS_M, s / SUBGROUPS_M)
 
-Per K_STEP = 32 columns of `in` (one q4 block of every row), the workgroup stages x's tile and W's
-dequantized tile (times the norm's weight) in workgroup memory as f16, rows padded by 8 halves (a
+Per K_STEP = 32 columns of `in` (one q4 block of every row), the workgroup stages x's tile (times the norm's
+weight) and W's dequantized tile in workgroup memory as f16, rows padded by 8 halves (a
 probe measured unpadded tiles 2.5x slower), with the next step's raw words and x already loaded into
 registers while the fragments multiply. Each thread stages the same 4 tokens' quarter of x at every
 step and keeps their sums of x^2, so the norm's 1 / rms needs no second read of x. The epilogue
@@ -82,7 +82,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     columns = column_tile(spec)
 
     buffers = [("x", "read", "float16", "vec4<u32>")]
-    buffers += [("norm", "read", "float32", "f32")] if normed else []
+    buffers += [("norm", "read", "float32", "vec4<f32>")] if normed else []
     buffers += [("w", "read", "uint32", "vec4<u32>"), ("scale", "read", "float32", "f32"),
                 ("wmin", "read", "float32", "f32")]
     buffers += [("resid", "read", "float16", "f16")] if residual else []
@@ -104,7 +104,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     lines += ["  packGridDimX: u32", "}", f"@group(0) @binding({len(buffers)}) var<uniform> podArgs : PODArgs;", ""]
     lines += [
         f"var<workgroup> x_tile : array<f16, {tokens * A_STRIDE}>;  // [token][k], f16",
-        f"var<workgroup> w_tile : array<f16, {K_STEP * B_STRIDE}>;  // [k][row], dequantized (times the norm)",
+        f"var<workgroup> w_tile : array<f16, {K_STEP * B_STRIDE}>;  // [k][row], dequantized",
         f"var<workgroup> results : array<f32, {EPILOGUE_TOKENS * C_STRIDE}>;  // [token][row] of 16 tokens",
         f"var<workgroup> row_scale : array<f32, {tokens}>;  // each token's 1 / rms (1 without the norm)",
     ] + [f"var<workgroup> squares : array<f32, {tokens * X_WORDS}>;  // each token's quarters' sums of x^2"] * normed + [
@@ -134,28 +134,37 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     else:
         lines += [f"  let w_row = u32(min(i32(wid.x) * {ROWS} + i32(tid), out_features - 1));"]
     lines += [f"  let w_block0 = w_row * {steps}u;", "  var w_raw : vec4<u32>;", "  var w_scale : f32;",
-              "  var w_min : f32;", ""]
+              "  var w_min : f32;"]
+    lines += ["  var norm_lo : vec4<f32>;  // the norm's weight of this thread's quarter of x",
+              "  var norm_hi : vec4<f32>;"] * normed + [""]
     lines += [f"  var acc{i}_{j} = subgroup_matrix_result<f32, {FRAG}, {FRAG}>();"
               for i in range(frags_m) for j in range(frags_n)]
 
     def load(step: str) -> list[str]:
         out = [f"    x_raw{i} = x[x_at{i} + {step} * {X_WORDS}u];" for i in range(x_loads)]
+        out += [f"    norm_lo = norm[{step} * {K_STEP // 4}u + quarter * 2u];",
+                f"    norm_hi = norm[{step} * {K_STEP // 4}u + quarter * 2u + 1u];"] * normed
         return out + [f"    w_raw = w[w_block0 + {step}];", f"    w_scale = scale[w_block0 + {step}];",
                       f"    w_min = wmin[w_block0 + {step}];"]
 
     lines += ["  {"] + load("0u") + ["  }"]
     lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
     for i in range(x_loads):
-        lines += [f"    for (var h = 0u; h < 4u; h = h + 1u) {{",
-                  f"      let pair = unpack2x16float(x_raw{i}[h]);  // two halves of x, exactly",
-                  f"      let at = x_token{i} * {A_STRIDE}u + quarter * 8u + 2u * h;",
-                  "      x_tile[at] = f16(pair.x);", "      x_tile[at + 1u] = f16(pair.y);"]
-        lines += [f"      x_sq{i} = x_sq{i} + dot(pair, pair);"] * normed + ["    }"]
+        for h in range(4):  # the pairs of halves in each u32 of the load
+            lines += [f"    {{ let pair = unpack2x16float(x_raw{i}[{h}]);  // two halves of x, exactly",
+                      f"      let at = x_token{i} * {A_STRIDE}u + quarter * 8u + {2 * h}u;"]
+            if normed:  # x times the norm's weight (1 / rms scales the results): a multiply per value of x
+                g = f"norm_{'lo' if h < 2 else 'hi'}"
+                lines += [f"      x_tile[at] = f16(pair.x * {g}[{2 * h % 4}]);",
+                          f"      x_tile[at + 1u] = f16(pair.y * {g}[{2 * h % 4 + 1}]);",
+                          f"      x_sq{i} = x_sq{i} + dot(pair, pair); }}"]
+            else:
+                lines += ["      x_tile[at] = f16(pair.x);", "      x_tile[at + 1u] = f16(pair.y); }"]
     lines += ["    for (var word = 0u; word < 4u; word = word + 1u) {",
               "      for (var e = 0u; e < 8u; e = e + 1u) {",
               "        let k = word * 8u + e;",
               "        let value = f32((w_raw[word] >> (4u * e)) & 15u) * w_scale + w_min;",
-              f"        w_tile[k * {B_STRIDE}u + tid] = f16(value{f' * norm[step * {K_STEP}u + k]' if normed else ''});",
+              f"        w_tile[k * {B_STRIDE}u + tid] = f16(value);",
               "      }", "    }", "    workgroupBarrier();",
               f"    if (step + 1u < {steps}u) {{"] + load("(step + 1u)") + ["    }"]
     for kk in range(0, K_STEP, FRAG):

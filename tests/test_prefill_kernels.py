@@ -145,8 +145,8 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
                                     token_tile, matrix):
     """y = x @ W^T with each fold, for token counts below, at and past a token tile (the tiled
     prefill matmul: 128-token tiles, 32-token tiles for short passes, and the subgroup-matrix build,
-    emulated here, whose f16 products round the dequantized weight (times the norm's) to f16: its
-    reference does too), and the decode matmul on rows of 96-4,096 weights, with one, two and four
+    emulated here, whose f16 fragments round the dequantized weight and x times the norm's weight to
+    f16: its reference does too), and the decode matmul on rows of 96-4,096 weights, with one, two and four
     weight rows a thread (the grid says which: each doubling halves the workgroups), its lanes'
     partials meeting in workgroup memory or first S at a time by subgroup shuffles (where the
     adapter's subgroups hold S)."""
@@ -170,8 +170,8 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
     words, scale, minv = random_q4(rng, out_features, in_features)
     w = dequant_q4(words, scale, minv)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32)
-    if matrix:  # the f16 fragments: the dequantized weight times the norm's, rounded to f16
-        w = (w * (norm_weight if norm else np.float32(1))).astype(np.float16)
+    if matrix:  # the f16 fragments: the dequantized weight rounded to f16 (and x times the norm's weight, below)
+        w = w.astype(np.float16)
     w = w.astype(np.float64)
     columns = out_features // 2 if swiglu else out_features
     for n in ((1, 2) if decode else (1, 31, 37, 128, 300)):
@@ -179,7 +179,9 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
         resid = rng.standard_normal((n, columns)).astype(NP_DTYPE[dtype])
         xf = x.astype(np.float64)
         if norm:
-            xf = xf / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5) * (1 if matrix else norm_weight)
+            inv_rms = 1 / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5)
+            xf = (x.astype(np.float32) * norm_weight).astype(np.float16) if matrix else xf * norm_weight
+            xf = xf.astype(np.float64) * inv_rms
         ref = xf @ w.T
         if swiglu:
             gate, up = ref[:, :columns], ref[:, columns:]
