@@ -201,6 +201,9 @@ def main(argv=None) -> int:
     page.add_argument("--depth-steps", type=int, default=128, help="decode steps per depth run (default 128)")
     page.add_argument("--reload", action=argparse.BooleanOptionalAction,
                       help="a second visit: time to Ready with the weights in the browser's cache (default: with --gpu)")
+    page.add_argument("--prefill", type=_int_list,
+                      help="also check and time the prefill matmuls, then prefill prompts of these lengths "
+                           "(e.g. 512,1536,3060,8000), subgroup-matrix and scalar builds in turn")
     page.add_argument("--lab", action="store_true",
                       help="run the page's kernel lab instead (?model=off): tiled vs sharded attention per layer")
     page.add_argument("--lab-contexts", type=_int_list, help="the lab's contexts (default: the page's for the adapter)")

@@ -185,10 +185,18 @@ async def file_sha256(file, progress) -> str:
 
 def chat_info(chat) -> str:
     """What the page shows of a loaded model (JSON): the applied options (the context the KV cache
-    really holds) and the dtype. The runtime's constants reach the page through chat/api.py."""
+    really holds), the dtype and the prefill matmuls. The runtime's constants reach the page through chat/api.py."""
     model = chat.model
     return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json(),
-                       "layers": model.config.n_layers, "chat_template": chat.template.family})
+                       "layers": model.config.n_layers, "chat_template": chat.template.family,
+                       "prefill_matmuls": prefill_matmuls_note(model)})
+
+
+def prefill_matmuls_note(model) -> str:
+    """Which prefill matmuls the model runs, and why not the subgroup-matrix builds."""
+    if model.has_prefill_matrix:
+        return "subgroup matrices (tensor cores)"
+    return f"scalar matmuls: {model.prefill_matrix_why_not or 'the subgroup-matrix builds were not loaded'}"
 
 
 # -- a chat turn ----------------------------------------------------------------------------------

@@ -10,18 +10,21 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
-from contract.kernels import INT8_X_MATMULS, INT8_X_SUFFIX, SPLIT_WORKSPACE
+from contract.kernels import (INT8_X_MATMULS, INT8_X_SUFFIX, MATRIX_MATMULS, MATRIX_SUFFIX, SHORT_SUFFIX,
+                              SPLIT_WORKSPACE, prefill_matmul_role)
 from contract.model import head_tensor
 from model_glue.attention import attention_call, attention_dispatches
 from model_glue.kernel import DispatchPlan
 from model_glue.step_stats import PassStamps
 
 
-def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False) -> list[str]:
+def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False,
+                  prefill_matrix: bool = False) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
     and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler,
-    (`o_merges`: the shape has it) the o-projection that merges a split attention call, and
-    (`int8_x`, with folded norms) the decode matmuls' quantizers. Only these are compiled."""
+    (`o_merges`: the shape has it) the o-projection that merges a split attention call,
+    (`int8_x`, with folded norms) the decode matmuls' quantizers, the prefill matmuls' short tiles
+    and (`prefill_matrix`, with folded norms) their subgroup-matrix builds. Only these are compiled."""
     matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
         ["qkv", "o_residual", "gate_up", "down_residual"]
     apart = [] if fold_norms else ["rms_norm", "swiglu"]
@@ -30,7 +33,11 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
         fused += [role + INT8_X_SUFFIX for role in INT8_X_MATMULS]
         fused += sorted(set(INT8_X_MATMULS.values())) + ["quantize_merge_decode"]
-    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *fused,
+    prefill = [f"{m}_prefill{SHORT_SUFFIX}" for m in matmuls]
+    if prefill_matrix and fold_norms:
+        prefill += [f"{m}_prefill{short}{MATRIX_SUFFIX}" for m in MATRIX_MATMULS for short in ("", SHORT_SUFFIX)]
+    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *prefill,
+            *fused,
             *apart,
             "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
 
@@ -181,7 +188,7 @@ def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=N
     (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (LlamaModel.int8_x) and x is not
     given as codes, its quantizer runs first, with the norm's weight."""
     w = m.weights
-    role = f"{role}_{'decode' if n == 1 else 'prefill'}"
+    role = f"{role}_decode" if n == 1 else prefill_matmul_role(role, n, m.runs_prefill_matrix())
     int8_x = m.int8_x(n) and role in INT8_X_MATMULS
     given_codes = isinstance(x, dict) and "xq" in x
     if int8_x and not given_codes:

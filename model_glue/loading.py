@@ -12,7 +12,8 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import MATMUL_SUBGROUP_LANES, llama_kernels, matmul_int8_x, matmul_subgroup_lanes
+from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_FRAGMENT, MATRIX_SUBGROUP, llama_kernels, matmul_int8_x,
+                              matmul_subgroup_lanes, matrix_roles, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
@@ -27,7 +28,7 @@ from model_glue.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_na
                                    context_length as gguf_context_length)
 from model_glue.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
-from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
+from model_glue.webgpu import BUFFER_LIMITS, SUBGROUP_MATRIX, AdapterLimitError
 
 
 async def load_model(device, library, read_text, read_bytes, *, options: RunOptions = RunOptions(),
@@ -136,10 +137,11 @@ class _Loader:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         self.specs, self.attention = runnable_kernels(library, config, self.dtype, device,
                                                       self.options.matmul_subgroups, self.options.matmul_int8_x,
-                                                      self.options.fold_norms)
+                                                      self.options.fold_norms, self.options.prefill_matrix)
         self.options = dataclasses.replace(self.options,
                                            matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None,
-                                           matmul_int8_x=matmul_int8_x(self.specs))
+                                           matmul_int8_x=matmul_int8_x(self.specs),
+                                           prefill_matrix=prefill_matrix(self.specs))
         self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]
         _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
@@ -153,7 +155,9 @@ class _Loader:
         progress("compiling kernels")
         options = self.options
         model = LlamaModel(self.device, self.library, self.config, self.config_name, self.dtype, weights,
-                           self.specs, self.attention, options)
+                           self.specs, self.attention, options,
+                           prefill_matrix_why_not=why_no_prefill_matrix(self.library, self.config, self.dtype,
+                                                                        self.device, options.fold_norms))
         await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
         if options.warm_up:
             progress("binding the passes")
@@ -262,8 +266,48 @@ def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | No
     return False
 
 
+# The subgroup-matrix shape the prefill matmuls' matrix builds multiply (kernels.prefill_matmul_matrix)
+MATRIX_CONFIG = ("f16", "f32", MATRIX_FRAGMENT, MATRIX_FRAGMENT, MATRIX_FRAGMENT)
+
+
+def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold_norms: bool = True) -> str | None:
+    """Why this device cannot run the model's prefill matmuls on subgroup matrices, or None if it can:
+    it needs the feature, an f16 -> f32 16x16x16 shape, subgroups of exactly 32 (the kernels place
+    their fragments by subgroup), f16 kernels with the norms folded, and the artifact's builds."""
+    if device is None or SUBGROUP_MATRIX not in device.features:
+        return f"this adapter has no subgroup matrices ({SUBGROUP_MATRIX})"
+    if MATRIX_CONFIG not in device.subgroup_matrix_configs:
+        offered = ", ".join(f"{a}->{r} {m}x{n}x{k}" for a, r, m, n, k in device.subgroup_matrix_configs) or "none"
+        return (f"this adapter's subgroup matrices have no f16->f32 {MATRIX_FRAGMENT}x{MATRIX_FRAGMENT}x"
+                f"{MATRIX_FRAGMENT} shape (it offers {offered})")
+    if device.subgroup_min_size != MATRIX_SUBGROUP or device.subgroup_max_size != MATRIX_SUBGROUP:
+        return (f"the matrix kernels need subgroups of exactly {MATRIX_SUBGROUP} invocations (this adapter's hold "
+                f"{device.subgroup_min_size}-{device.subgroup_max_size})")
+    if dtype != "float16":
+        return f"the matrix kernels are f16 and this model runs in {dtype}"
+    if not fold_norms:
+        return "the matrix kernels fold the norms into the matmuls (fold_norms)"
+    missing = [spec.name for spec in matrix_roles(llama_kernels(config, dtype)).values() if spec.name not in library.specs]
+    if missing:
+        return f"the kernel artifact has no subgroup-matrix build of this model's prefill matmuls ({missing[0]}, ...)"
+    return None
+
+
+def pick_prefill_matrix(library, config: LlamaConfig, dtype: str, device, wanted: bool | None,
+                        fold_norms: bool = True) -> bool:
+    """Whether the model loads its prefill matmuls' subgroup-matrix builds: wherever they run
+    (`why_no_prefill_matrix`), unless `wanted` is False; `wanted` True where they cannot is a ModelError."""
+    if wanted is False:
+        return False
+    why_not = why_no_prefill_matrix(library, config, dtype, device, fold_norms)
+    if why_not and wanted:
+        raise ModelError(f"prefill_matrix was asked for, but {why_not}")
+    return why_not is None
+
+
 def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None,
-                       matmul_int8_x: bool | None = None, fold_norms: bool = True) -> dict:
+                       matmul_int8_x: bool | None = None, fold_norms: bool = True,
+                       prefill_matrix: bool | None = None) -> dict:
     """role -> spec (contract.kernels.llama_kernels) of every model kernel the forward pass may run,
     each present in the artifact: kernels are compiled for row widths and head_dim, not for a model,
     so any config whose widths have kernels runs. Otherwise a ModelError naming what is missing. The
@@ -271,7 +315,8 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, ma
     codes of x where `pick_matmul_int8_x` says so."""
     lanes = pick_matmul_subgroup_lanes(library, config, dtype, device, matmul_subgroups)
     specs = llama_kernels(config, dtype, lanes,
-                          pick_matmul_int8_x(library, config, dtype, lanes, matmul_int8_x, device, fold_norms))
+                          pick_matmul_int8_x(library, config, dtype, lanes, matmul_int8_x, device, fold_norms),
+                          pick_prefill_matrix(library, config, dtype, device, prefill_matrix, fold_norms))
     unfit = [f"{role} ({why})" for role, spec in specs.items() if (why := spec.unsupported())]
     if unfit:
         raise ModelError(f"this model's sizes do not fit the kernels' grids: {'; '.join(unfit)}")
@@ -293,10 +338,11 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, ma
 
 def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
                      matmul_subgroups: bool | None = None, matmul_int8_x: bool | None = None,
-                     fold_norms: bool = True) -> tuple[dict, AttentionKernels]:
+                     fold_norms: bool = True, prefill_matrix: bool | None = None) -> tuple[dict, AttentionKernels]:
     """The model kernels' specs and the attention kernels that run `config` on this device, or a
     ModelError naming what the artifact lacks (before any weight is read)."""
-    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups, matmul_int8_x, fold_norms),
+    return (model_kernel_specs(library, config, dtype, device, matmul_subgroups, matmul_int8_x, fold_norms,
+                               prefill_matrix),
             _attention_kernels(library, config, dtype, device))
 
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes, o_merges_splits
+from contract.kernels import (SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes,
+                              o_merges_splits, prefill_matrix)
 from model_glue.attention import AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -47,10 +48,12 @@ class PlanKey(NamedTuple):
     greedy: bool
     one_pass: bool = False  # one compute pass, attention untimed (RunOptions.time_attention_every)
     o_merges: bool = False  # the o-projection merges the split call (LlamaModel.o_merges: S decides)
+    prefill_matmuls: str = ""  # a prefill pass's matmul builds (LlamaModel.prefill_matmuls)
 
     @classmethod
-    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False, o_merges: bool = False) -> "PlanKey":
-        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass, o_merges)
+    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False, o_merges: bool = False,
+           prefill_matmuls: str = "") -> "PlanKey":
+        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass, o_merges, prefill_matmuls)
 
 
 class LlamaModel:
@@ -58,7 +61,8 @@ class LlamaModel:
     model_glue.loading.load_model)."""
 
     def __init__(self, device, library, config: LlamaConfig, config_name: str, dtype: str, weights: dict,
-                 kernel_specs: dict, attention: AttentionKernels, options: RunOptions):
+                 kernel_specs: dict, attention: AttentionKernels, options: RunOptions,
+                 prefill_matrix_why_not: str | None = None):
         self.device = device
         self.library = library
         self.config = config
@@ -74,6 +78,9 @@ class LlamaModel:
         self.matmul_subgroup_lanes = matmul_subgroup_lanes(kernel_specs)  # lanes reduced by shuffles, or None
         self.matmul_int8_x = matmul_int8_x(kernel_specs)  # decode matmuls read int8 codes of x (with folded norms)
         self.down_codes_from_gate_up = down_codes_from_gate_up(kernel_specs)  # ... down's from gate/up's epilogue
+        # prefill matmuls on subgroup matrices are loaded; if not, why not (RunOptions.prefill_matrix)
+        self.has_prefill_matrix = prefill_matrix(kernel_specs)
+        self.prefill_matrix_why_not = None if self.has_prefill_matrix else prefill_matrix_why_not
         self.kernels: dict = {}  # role -> Kernel, compiled for the roles the options use (`compile_roles`)
         self.attention = attention  # the artifact's attention kernels that run this shape here
         self._attention_compiled: dict = {}  # artifact name -> Kernel (`compile_attention`)
@@ -123,7 +130,7 @@ class LlamaModel:
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
         roles = forward_roles(fold_norms, greedy, o_merges="o_residual_merge_decode" in self.kernel_names,
-                              int8_x=self.matmul_int8_x)
+                              int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
@@ -131,6 +138,8 @@ class LlamaModel:
         """Make `request` (merged over the loaded options) the options of the next passes: checked
         here once, the kernels it needs (a forced layout's, other folds', the sampler) compiled."""
         run = self.options.merged(request)
+        if run.prefill_matrix and not self.has_prefill_matrix:
+            raise ModelError(f"prefill_matrix was asked for, but {self.prefill_matrix_why_not or 'it was not loaded'}")
         await self.compile_roles(run.fold_norms, sampling is None or sampling.greedy)
         if run.layout is not None:
             try:
@@ -163,6 +172,17 @@ class LlamaModel:
         """Whether a pass of n tokens runs the int8_x decode matmuls: one-token passes with the norms
         folded (the only roles built so), where the model loaded them."""
         return self.matmul_int8_x and n == 1 and self.run.fold_norms
+
+    def runs_prefill_matrix(self) -> bool:
+        """Whether prefill passes run the matmuls' subgroup-matrix builds (RunOptions.prefill_matrix)."""
+        return bool(self.run.prefill_matrix) and self.has_prefill_matrix and self.run.fold_norms
+
+    def prefill_matmuls(self, n: int) -> str:
+        """Which prefill matmuls a pass of n tokens runs, as the overlay names them ("" for one token)."""
+        if n == 1:
+            return ""
+        tile = "32-token" if n <= SHORT_PREFILL_TOKENS else "128-token"
+        return f"{'subgroup-matrix' if self.runs_prefill_matrix() else 'scalar'} matmuls, {tile} tiles"
 
     def quantizer_merges(self, choice: AttentionChoice) -> bool:
         """Whether a decode pass merges the split call in the o-projection's quantizer (int8_x)."""
@@ -223,7 +243,7 @@ class LlamaModel:
 
         batch = self.device.batch()
         one_pass = not self._times_attention(n, context)
-        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice))
+        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice), self.prefill_matmuls(n))
         recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
             self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))
@@ -238,7 +258,8 @@ class LlamaModel:
                                              one_pass=one_pass), n, choice, nnz_pages, sampling, draw)
             if record:
                 self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
-        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, str(choice), None, 0.0,
+        kernel = f"{choice} · {key.prefill_matmuls}" if key.prefill_matmuls else str(choice)
+        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, kernel, None, 0.0,
                           timing_note=O_MERGE_NOTE if key.o_merges else
                           QUANTIZER_MERGE_NOTE if self.quantizer_merges(choice) else "")
         self._last_pass_tokens = n

@@ -82,6 +82,11 @@ class RunOptions:
     # if the artifact has them for the subgroup build this adapter runs; True: required; False: never
     # (benchmarks compare the two). Load time only.
     matmul_int8_x: bool | None = None
+    # The prefill matmuls on subgroup matrices (the tensor cores; contract.kernels.MatmulSpec.matrix),
+    # where the model loaded them (model_glue.loading.pick_prefill_matrix: the adapter offers them, f16,
+    # folded norms). None: wherever loaded; True: required (an error where they were not loaded, with
+    # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
+    prefill_matrix: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -104,9 +109,9 @@ class RunOptions:
                              f"not {self.time_attention_every!r}")
         if not isinstance(self.replay, bool) or any(getattr(self, f) not in (None, True, False)
                                                     for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups",
-                                                              "matmul_int8_x")):
-            raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups and matmul_int8_x are true "
-                             "or false")
+                                                              "matmul_int8_x", "prefill_matrix")):
+            raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups, matmul_int8_x and "
+                             "prefill_matrix are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -137,7 +142,8 @@ class RunOptions:
                 raise ModelError(f"{load_time} is chosen when the model loads ({getattr(self, load_time)}); "
                                  f"load it again for {getattr(request, load_time)}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
-                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o") if getattr(request, f) is not None})
+                       **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o",
+                                                    "prefill_matrix") if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":

@@ -31,7 +31,9 @@ KERNEL_LIMITS = (
 )
 BUFFER_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize")  # weights and long KV caches
 REQUESTED_LIMITS = KERNEL_LIMITS + BUFFER_LIMITS
-OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups")
+# Chromium's experimental subgroup matrices (the tensor cores) run the prefill matmuls' matrix builds.
+SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups", SUBGROUP_MATRIX)
 
 
 def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
@@ -80,6 +82,9 @@ class Device:
         # its row lanes fit in one (model_glue.attention).
         self.subgroup_min_size: int | None = None
         self.subgroup_max_size: int | None = None
+        # The subgroup-matrix shapes the adapter multiplies (with SUBGROUP_MATRIX), each as
+        # (component type, result type, M, N, K), e.g. ("f16", "f32", 16, 16, 16); wgpu has none.
+        self.subgroup_matrix_configs: tuple[tuple[str, str, int, int, int], ...] = ()
         self.live_buffers = 0  # created minus destroyed: a leak shows up as growth
         self.bind_groups_made = 0  # a pass bound once and replayed makes none
         self._reads: dict[int, object] = {}  # id(staging buffer) -> its map, asked for (`start_read`)
@@ -204,6 +209,7 @@ class Device:
             "timestamp_query": self.has_timestamps,
             "subgroup_min_size": self.subgroup_min_size,
             "subgroup_max_size": self.subgroup_max_size,
+            "subgroup_matrix_configs": [f"{a}->{r} {m}x{n}x{k}" for a, r, m, n, k in self.subgroup_matrix_configs],
             "features": sorted(self.features),
         }
 

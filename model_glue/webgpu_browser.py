@@ -12,7 +12,7 @@ import js
 from pyodide.ffi import create_once_callable, create_proxy, to_js
 
 from model_glue.webgpu import (
-    MAP_READ, OPTIONAL_FEATURES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
+    MAP_READ, OPTIONAL_FEATURES, SUBGROUP_MATRIX, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
 )
 
 
@@ -68,6 +68,11 @@ class BrowserDevice(Device):
             # build even if every such kernel gets 32 (pick_subgroup_build).
             opened.subgroup_min_size = int(getattr(info, "subgroupMinSize", 0) or 0) or None
             opened.subgroup_max_size = int(getattr(info, "subgroupMaxSize", 0) or 0) or None
+        if SUBGROUP_MATRIX in features:
+            configs = getattr(info, "subgroupMatrixConfigs", None)
+            opened.subgroup_matrix_configs = tuple(
+                (str(c.componentType), str(c.resultComponentType), int(c.M), int(c.N), int(c.K))
+                for c in ([] if _is_null(configs) else configs))
         device.lost.then(create_proxy(opened._on_lost))
         return opened
 

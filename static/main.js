@@ -67,6 +67,8 @@ function showAdapter(device, probe) {
     ["subgroups", device.subgroup_min_size
       ? `${device.subgroup_min_size}-${device.subgroup_max_size} invocations (subgroup attention kernels)`
       : "no (shards attention kernels)"],
+    ["subgroup matrices", device.subgroup_matrix_configs.length
+      ? `${device.subgroup_matrix_configs.join(", ")} (tensor-core prefill matmuls)` : "no (scalar prefill matmuls)"],
     ["features", device.features.join(", ")],
   ]);
   const verdict = $("probe-verdict");
@@ -203,7 +205,8 @@ async function openGguf(app, file, cached = null) {
     state.info = info;
     state.modelLabel = name;
     const ready = `${name} (${info.config} kernels, ${info.layers} layers, ${info.chat_template} chat template), ` +
-      `${info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ${info.options.max_context} tokens`;
+      `${info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ${info.options.max_context} tokens, ` +
+      `prefill on ${info.prefill_matmuls}`;
     step(`Ready: ${ready}.`);
     finishSteps(`ready: ${ready} (click for the loading steps)`);
     $("error").hidden = true;
@@ -286,7 +289,7 @@ async function boot() {
   const template = state.modelLabel && state.modelLabel.includes("converted from")
     ? `, ${state.info.chat_template} chat template` : "";  // the file's own, as a GGUF opened directly shows it
   const ready = `${state.modelLabel || MODEL_LABEL}${template}, ${state.info.dtype === "float16" ? "f16" : "f32"} ` +
-    `kernels, context up to ${state.info.options.max_context} tokens`;
+    `kernels, context up to ${state.info.options.max_context} tokens, prefill on ${state.info.prefill_matmuls}`;
   step(`Ready: ${ready}.`);
   finishSteps(`ready: ${ready} (click for the loading steps)`);
   $("chat-panel").hidden = false;

@@ -12,6 +12,9 @@ Playwright (headless), and drives the page as a user does, reading what it repor
 - the host's time to encode a decode step, Python through Pyodide's proxies against the recorded
   passes replayed by one call into JS (chat.page.decode_encode_benchmark);
 - main-thread long tasks over the visit.
+With `--prefill 512,1536,...` it also checks the loaded model's prefill matmuls against f64, times each
+build, and runs the prefill at those prompt lengths (and two short follow-up turns), the subgroup-matrix
+builds and the scalar kernels in turn (chat.prefill_check).
 With `--lab` it runs the page's kernel lab instead (?model=off): decode attention per layer, tiled
 against the sharded family, every row checked against the page's float64 reference, then timed.
 
@@ -178,6 +181,22 @@ class PageDriver:
                                     "gap_mean_ms": sum(gaps) / len(gaps) if gaps else None})
         return {"context": context, "steps": steps, "runs": runs}
 
+    def prefill(self, tokens: list[int], rounds: int = 2) -> dict:
+        """The loaded model's prefill matmuls checked against f64 and timed per build, then the prefill
+        benchmark (chat.prefill_check) with the subgroup-matrix builds and the scalar kernels in turn."""
+        def python(code: str):
+            return json.loads(self.tab.evaluate("(code) => window.demo.python(code)", code))
+
+        setup = "import json, chat.prefill_check as pc\n"
+        result = {"check": python(setup + "json.dumps(await pc.check_prefill_matmuls(chat.model))"),
+                  "timed": python(setup + "json.dumps(await pc.time_prefill_matmuls(chat.model))"), "runs": []}
+        builds = (True, False) if python(setup + "json.dumps(chat.model.has_prefill_matrix)") else (False,)
+        for _ in range(rounds):
+            for matrix in builds:
+                result["runs"].append(python(setup + f"json.dumps(await pc.prefill_benchmark(chat.model, "
+                                                     f"tokens={tuple(tokens)!r}, matrix={matrix}))"))
+        return result
+
     def lab(self, contexts: list[int] | None, iters: int | None) -> dict:
         """The kernel lab (?model=off), as its Run button runs it: every row f64-checked, then timed;
         contexts and iterations default to the page's for this adapter. Its export's fields."""
@@ -246,6 +265,16 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
         rows.append(("encode a decode step: Python / JS replay",
                      f"{e['python']['encode_median_ms']:.3f} / {e['replay']['encode_median_ms']:.3f} ms (median); "
                      f"ids identical: {e['ids_identical']}"))
+    for r in (result.get("prefill") or {}).get("check", []):
+        rows.append((f"prefill check {r['kernel']} ({r['tokens']} tokens)",
+                     f"rel L2 {r['rel_l2']:.1e} vs f64 {'ok' if r['ok'] else 'WRONG'}"))
+    for r in (result.get("prefill") or {}).get("timed", []):
+        rows.append((f"prefill matmul {r['kernel']} {r['shape']}", f"{r['us']:.1f} us, {r['tflops']:.1f} TFLOP/s"))
+    for run in (result.get("prefill") or {}).get("runs", []):
+        for r in run["rows"]:
+            rows.append((f"prefill {'matrix' if run['prefill_matrix'] else 'scalar'} {r['turn']} {r['tokens']} tokens",
+                         f"GPU {r['gpu_ms']:.1f} ms (attention {r['attention_ms']:.1f}), "
+                         f"{_num(r['tok_s_gpu'], 0)} tok/s, TTFT {r['ttft_ms']:.0f} ms"))
     if "depths" in result:
         d = result["depths"]
         for depth, runs in d["runs"].items():
@@ -325,6 +354,8 @@ def run_page_bench(args) -> dict:
                     result["encode"] = page.encode_benchmark(tokens["steps"])
                 if args.depths:
                     result["depths"] = page.depth_sweep(args.depth_steps, args.depth_context, args.depths)
+                if args.prefill:
+                    result["prefill"] = page.prefill(args.prefill)
                 result["long_tasks"] = page.long_tasks()
             finally:
                 context.close()

@@ -42,8 +42,10 @@ async def run_prefill_bench(args) -> dict:
                              dtype=None if args.dtype == "auto" else args.dtype)
     c = model.config
     chunks = args.chunks or [model.options.prefill_chunk]
+    matmuls = "subgroup-matrix" if model.has_prefill_matrix else f"scalar ({model.prefill_matrix_why_not})"
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {model.dtype}; GPU time: "
-          f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.options.prefill_chunk}", flush=True)
+          f"{'timestamps' if device.has_timestamps else 'unavailable'}; default chunk {model.options.prefill_chunk}; "
+          f"prefill matmuls: {matmuls}", flush=True)
     print(f"{'prompt':>6} {'chunk':>5} {'passes':>6} {'tok/s':>9} {'TTFT ms':>8} {'GPU ms':>8} {'attn ms':>8} "
           f"{'rest ms':>8} {'attn TFLOP/s':>12} {'rest TFLOP/s':>12}")
     rng = random.Random(0)
@@ -86,7 +88,16 @@ async def run_prefill_bench(args) -> dict:
             print(f"{prompt_len:>6} {chunk:>5} {count:>6} {row['tok_s']:>9.1f} {ttft:>8.1f} {show(gpu):>8} "
                   f"{show(attn):>8} {show(rest):>8} {show(row['attention_tflops'], 3):>12} "
                   f"{show(row['rest_tflops'], 3):>12}", flush=True)
-    result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "rows": rows}
+    # a decode step's GPU time beside them: what a short prompt's prefill is measured against
+    model.reset()
+    run = await generate(model, [rng.randrange(3, c.vocab_size) for _ in range(min(args.prompts))], max_new_tokens=9)
+    decode = sorted(s.gpu_ms for s in run.stats if s.kind == "decode" and s.gpu_ms is not None)
+    decode_ms = decode[len(decode) // 2] if decode else None
+    if decode_ms:
+        print(f"decode step GPU ms (median of {len(decode)}): {decode_ms:.3f}; each prompt's GPU ms in decode steps: "
+              + ", ".join(f"{r['prompt']}: {r['gpu_ms'] / decode_ms:.1f}" for r in rows if r["gpu_ms"]), flush=True)
+    result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "prefill_matmuls": matmuls,
+              "decode_step_gpu_ms": decode_ms, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

@@ -1,0 +1,243 @@
+"""The loaded model's prefill matmuls in the page: checked against float64, timed per kernel, and the
+prefill itself timed at several prompt lengths (`python -m app bench page --prefill`, and on a GPU
+machine tools/gpu_prefill.py).
+
+Each build the model runs (the scalar tiled kernels and, where the model loaded them, the
+subgroup-matrix builds; 128- and 32-token tiles) is run on random q4 weights of the model's row
+widths and CHECK_ROWS rows (a part-full last tile of every build), for a pass that leaves its last
+token tile part-full, and its outputs at SAMPLES places, every tile's corners among them, are
+compared with a float64 dot product computed here (standard library only: the page has no numpy).
+A wrong build is reported and not timed. Then each build is timed (GPU timestamps) on the model's
+own layer-0 weights at full size.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from array import array
+from dataclasses import replace
+
+from chat.lab import _gpu_seconds, random_values
+from contract.kernels import MATRIX_MATMULS, SHORT_PREFILL_TOKENS, llama_kernels, prefill_matmul_role
+from contract.model import DTYPE_BYTES
+
+CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
+CHECK_ROWS = 320  # W rows: 2.5 matrix tiles of 128, 5 scalar tiles of 64 (SwiGLU: 160 columns)
+SAMPLES = 96
+TOLERANCE = {"float16": 2e-3, "float32": 1e-4}  # relative L2 over the samples (f16: y's and f16 W's rounding)
+TIMED_TOKENS = (1536, 8000)
+TIMED_ITERS, TIMED_ROUNDS = 5, 2
+# the weight matrix each prefill matmul reads (contract.kernels.LAYER_MATMULS)
+WEIGHTS = {"norm_qkv": "qkv", "qkv": "qkv", "o_residual": "o", "norm_gate_up_swiglu": "gate_up", "gate_up": "gate_up",
+           "down_residual": "down"}
+
+
+def _builds(model) -> list[tuple[str, bool]]:
+    """(matmul, matrix) of each prefill matmul build the model runs."""
+    matmuls = MATRIX_MATMULS if model.run.fold_norms else ("qkv", "o_residual", "gate_up", "down_residual")
+    return [(m, matrix) for m in matmuls for matrix in ((False, True) if model.has_prefill_matrix else (False,))]
+
+
+def _spec(model, role: str):
+    return llama_kernels(model.config, model.dtype, prefill_matrix=model.has_prefill_matrix)[role]
+
+
+class CheckInputs:
+    """Random inputs of one matmul width (x, q4 W, its scales and mins, the norm's weight, the
+    residual) and the float64 reference of its outputs at sampled places."""
+
+    def __init__(self, spec, n: int, dtype: str, rng: random.Random):
+        self.spec, self.n, self.dtype = spec, n, dtype
+        k, rows = spec.in_features, CHECK_ROWS
+        self.columns = rows // 2 if spec.swiglu else rows
+        self.x = random_values(n * k, dtype, rng)
+        self.words = rng.randbytes(rows * k // 2)
+        self.scale = array("f", [rng.uniform(0.005, 0.03) for _ in range(rows * k // 32)])
+        self.wmin = array("f", [-8 * s * rng.uniform(0.8, 1.2) for s in self.scale])
+        self.norm = array("f", [rng.uniform(0.6, 1.4) for _ in range(k)])
+        self.resid = random_values(n * self.columns, dtype, rng)
+        tiles = [(t, c) for t in {0, n - 1, min(n - 1, 127), min(n - 1, 128), min(n - 1, 31)}
+                 for c in {0, self.columns - 1, min(self.columns - 1, 63), min(self.columns - 1, 64)}]
+        self.places = sorted(set(tiles + [(rng.randrange(n), rng.randrange(self.columns))
+                                          for _ in range(SAMPLES - len(tiles))]))
+        self.want = [self._reference(t, c) for t, c in self.places]
+
+    def values(self, data) -> memoryview:
+        return memoryview(data).cast("e" if self.dtype == "float16" else "f")
+
+    def _row(self, r: int) -> list[float]:
+        k = self.spec.in_features
+        codes = self.words[r * k // 2:(r + 1) * k // 2]
+        out = []
+        for i in range(k):
+            code = (codes[i // 2] >> (4 * (i % 2))) & 15  # element 8w + j in bits 4j of word w (little-endian)
+            out.append(code * self.scale[r * k // 32 + i // 32] + self.wmin[r * k // 32 + i // 32])
+        return out
+
+    def _reference(self, t: int, c: int) -> float:
+        spec, k = self.spec, self.spec.in_features
+        x = self.values(self.x)[t * k:(t + 1) * k].tolist()
+        if spec.norm_eps is not None:
+            inv_rms = 1 / math.sqrt(math.fsum(v * v for v in x) / k + spec.norm_eps)
+            x = [v * inv_rms * g for v, g in zip(x, self.norm)]
+
+        def dot(r):
+            return math.fsum(a * b for a, b in zip(x, self._row(r)))
+        if spec.swiglu:
+            gate, up = dot(c), dot(self.columns + c)
+            return gate / (1 + math.exp(-gate)) * up
+        y = dot(c)
+        return y + self.values(self.resid)[t * self.columns + c] if spec.residual else y
+
+    def relative_error(self, output: bytes) -> float:
+        got = self.values(output)
+        num = math.fsum((got[t * self.columns + c] - w) ** 2 for (t, c), w in zip(self.places, self.want))
+        den = math.fsum(w * w for w in self.want)
+        return math.sqrt(num / den) if den else math.inf
+
+
+def _bind(kernel, spec, n: int, buffers: dict):
+    return kernel.bind({name: buffers[name] for name in kernel.buffer_names}, {"n": n, **spec.values})
+
+
+async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -> list[dict]:
+    """Every prefill matmul build the model runs against float64 (one row a build and pass length)."""
+    device, rng = model.device, random.Random(seed)
+    rows = []
+    for matmul, matrix in _builds(model):
+        for n in CHECK_TOKENS:
+            role = prefill_matmul_role(matmul, n, matrix)
+            spec = replace(_spec(model, role), out_features=CHECK_ROWS)
+            inputs = CheckInputs(spec, n, model.dtype, rng)
+            esize = DTYPE_BYTES[model.dtype]
+            buffers = {"x": inputs.x, "w": inputs.words, "scale": inputs.scale.tobytes(),
+                       "wmin": inputs.wmin.tobytes(), "norm": inputs.norm.tobytes(), "resid": inputs.resid}
+            uploaded = {name: device.storage_buffer(len(data), data) for name, data in buffers.items()}
+            uploaded["y"] = device.storage_buffer(n * inputs.columns * esize)
+            kernel = model.kernels[role]
+            bound = _bind(kernel, spec, n, uploaded)
+            try:
+                batch = device.batch()
+                bound.dispatch(batch)
+                batch.submit()
+                error = inputs.relative_error(await device.read(uploaded["y"], n * inputs.columns * esize))
+            finally:
+                bound.release()
+                for buffer in uploaded.values():
+                    device.destroy(buffer)
+            row = {"matmul": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
+                   "tile": "short" if n <= SHORT_PREFILL_TOKENS else "long", "in_features": spec.in_features,
+                   "rows": CHECK_ROWS, "samples": len(inputs.places), "rel_l2": error,
+                   "ok": error <= TOLERANCE[model.dtype]}
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
+async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_ITERS, on_row=lambda row: None) -> list[dict]:
+    """GPU time and TFLOP/s of each prefill matmul build at the model's full sizes, on its layer-0
+    weights and random x (one row a build and pass length)."""
+    device = model.device
+    if not device.has_timestamps:
+        return []
+    c, esize, rng = model.config, DTYPE_BYTES[model.dtype], random.Random(1)
+    rows = []
+    for n in tokens:
+        widest = max(c.dim, c.ffn_dim, c.n_heads * c.head_dim)
+        x = device.storage_buffer(n * widest * esize, random_values(n * widest, model.dtype, rng))
+        y = device.storage_buffer(n * max(c.qkv_dim, c.ffn_dim, c.dim) * esize)
+        resid = device.storage_buffer(n * c.dim * esize)
+        try:
+            for matmul, matrix in _builds(model):
+                role = prefill_matmul_role(matmul, n, matrix)
+                spec, kernel = _spec(model, role), model.kernels[role]
+                weight = f"layers.0.{WEIGHTS[matmul]}"
+                buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[f"{weight}.q4"],
+                           "scale": model.weights[f"{weight}.scale"], "wmin": model.weights[f"{weight}.min"],
+                           "norm": model.weights["layers.0.attn_norm" if "qkv" in matmul else "layers.0.ffn_norm"]}
+                bound = _bind(kernel, spec, n, buffers)
+                try:
+                    if not rows:  # the GPU's clocks rise while the first build runs: that timing is thrown away
+                        await _gpu_seconds(device, [bound], iters, TIMED_ROUNDS)
+                    seconds = await _gpu_seconds(device, [bound], iters, TIMED_ROUNDS)
+                finally:
+                    bound.release()
+                flops = 2 * n * spec.out_features * spec.in_features
+                row = {"matmul": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
+                       "shape": f"{n} x {spec.out_features} x {spec.in_features}", "us": seconds * 1e6,
+                       "tflops": flops / seconds / 1e12, "timing": "gpu-timestamps"}
+                rows.append(row)
+                on_row(row)
+        finally:
+            for buffer in (x, y, resid):
+                device.destroy(buffer)
+    return rows
+
+
+async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37), matrix=None,
+                            seed: int = 0) -> dict:
+    """The prefill as a chat turn meets it, with the model's options (`matrix`: RunOptions.prefill_matrix
+    for this run): for each prompt length a first turn of random ids (in the model's chunks), its GPU
+    ms (summed over its passes, attention apart) and tokens per GPU second, and the wall time to its
+    first token; then, after a 1,536-token first turn, a follow-up turn of each short length."""
+    from model_glue.generate import generate
+
+    options = replace(model.options, prefill_matrix=matrix) if matrix is not None else None
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, model.config.vocab_size) for _ in range(n)]
+
+    async def turn(prompt: list[int], label: str) -> dict:
+        started = time.perf_counter()
+        run = await generate(model, prompt, max_new_tokens=1, options=options, reuse_cache=True)
+        wall = time.perf_counter() - started
+        passes = [s for s in run.stats if s.kind == "prefill"]
+        gpu = sum(s.gpu_ms or 0 for s in passes)
+        attention = sum(s.attention_ms or 0 for s in passes)
+        return {"turn": label, "tokens": run.prefill_tokens, "passes": len(passes),
+                "kernel": passes[-1].kernel if passes else None, "gpu_ms": gpu, "attention_ms": attention,
+                "rest_ms": gpu - attention, "tok_s_gpu": run.prefill_tokens / gpu * 1e3 if gpu else None,
+                "ttft_ms": wall * 1e3}
+
+    rows = []
+    for n in tokens:
+        if n + 2 <= model.kv.capacity:
+            model.reset()
+            rows.append(await turn(ids(n), "first"))
+    for n in short_turns:
+        model.reset()
+        first = ids(min(1536, model.kv.capacity - n - 4))
+        await turn(first, "first")
+        rows.append(await turn(first + ids(n), "follow-up"))
+    model.reset()
+    return {"model": model.config_name, "dtype": model.dtype, "adapter": model.device.adapter_name,
+            "prefill_matrix": model.runs_prefill_matrix(),
+            "timing": "gpu-timestamps" if model.device.has_timestamps else "wall", "rows": rows}
+
+
+async def matrix_agreement(chat, text: str, tokens: int = 64) -> dict:
+    """A chat's reply to `text`, greedy, once with the scalar prefill matmuls and once with the
+    subgroup-matrix builds (the decode steps are the same kernels): identical ids, or the first
+    divergence and how many of the scalar run's tokens the matrix run predicts when fed them."""
+    from model_glue.generate import generate
+
+    model = chat.model
+    if not model.has_prefill_matrix:
+        return {"error": f"the model runs no subgroup-matrix prefill: {model.prefill_matrix_why_not}"}
+    ids = chat.prompt_ids([{"role": "user", "content": text}])
+    runs = {}
+    for matrix in (False, True):
+        model.reset()
+        run = await generate(model, ids, max_new_tokens=tokens, options=replace(model.options, prefill_matrix=matrix))
+        runs[matrix] = run.token_ids
+    model.reset()
+    forced = await generate(model, ids, max_new_tokens=tokens, options=replace(model.options, prefill_matrix=True),
+                            forced_ids=runs[False])
+    model.reset()
+    first = next((i for i, (a, b) in enumerate(zip(runs[False], runs[True])) if a != b), None)
+    return {"prompt_tokens": len(ids), "tokens": len(runs[False]), "identical": runs[False] == runs[True],
+            "first_divergence": first, "teacher_forced": sum(a == b for a, b in zip(forced.token_ids, runs[False])),
+            "scalar_text": chat.tokenizer.decode(runs[False]), "matrix_text": chat.tokenizer.decode(runs[True])}

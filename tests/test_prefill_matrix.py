@@ -1,0 +1,175 @@
+"""The prefill matmuls' subgroup-matrix builds (kernels.prefill_matmul_matrix): where the loader picks
+them, what the build checks of their WGSL, and the tiny model running them with the builtins
+emulated (tests/matrix_emulation.py: the tests' adapter has no subgroup matrices; a GPU that has
+them runs the page's check, chat.lab.prefill_matmul_check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from contract.kernels import MATRIX_SUFFIX, MatmulSpec, llama_kernels, matrix_roles
+from contract.model import TEST_MODEL_CONFIGS
+from kernels.build import build_wgsl_kernel
+from kernels.prefill_matmul_matrix import MAX_WORKGROUP_STORAGE, matrix_matmul
+from matrix_emulation import emulated
+from model_glue.artifact import KernelLibrary
+from model_glue.kernel import Kernel
+from model_glue.errors import ModelError
+from model_glue.loading import MATRIX_CONFIG, pick_prefill_matrix, why_no_prefill_matrix
+from model_glue.webgpu import SUBGROUP_MATRIX
+from test_model import LOGIT_TOLERANCE, TINY_VOCAB, load, logits_of, rel_l2, tiny_dir, tiny_reference  # noqa: F401
+
+TINY = TEST_MODEL_CONFIGS["tiny_llama"]
+
+
+def adapter(features=(SUBGROUP_MATRIX,), configs=(MATRIX_CONFIG,), subgroups=(32, 32)):
+    return SimpleNamespace(features=frozenset(features), subgroup_matrix_configs=tuple(configs),
+                           subgroup_min_size=subgroups[0], subgroup_max_size=subgroups[1])
+
+
+ADAPTERS = {  # name: (adapter, dtype, fold_norms, why it cannot run them or None)
+    "offers-them": (adapter(), "float16", True, None),
+    "no-feature": (adapter(features=()), "float16", True, "no subgroup matrices"),
+    "other-shapes": (adapter(configs=[("f16", "f32", 16, 8, 16), ("i8", "i32", 16, 16, 32)]), "float16", True,
+                     "no f16->f32 16x16x16 shape (it offers f16->f32 16x8x16, i8->i32 16x16x32)"),
+    "subgroups-vary": (adapter(subgroups=(16, 64)), "float16", True, "subgroups of exactly 32"),
+    "f32-model": (adapter(), "float32", True, "are f16 and this model runs in float32"),
+    "norms-apart": (adapter(), "float16", False, "fold the norms"),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTERS))
+def test_the_loader_picks_the_matrix_builds_where_they_run(test_library, case):
+    """Auto: wherever they run; required: a ModelError saying why not; never: not even where they run."""
+    device, dtype, fold_norms, why = ADAPTERS[case]
+    reason = why_no_prefill_matrix(test_library, TINY, dtype, device, fold_norms)
+    assert (reason is None) == (why is None) and (why is None or why in reason), reason
+    assert pick_prefill_matrix(test_library, TINY, dtype, device, None, fold_norms) == (why is None)
+    assert pick_prefill_matrix(test_library, TINY, dtype, device, False, fold_norms) is False
+    if why is None:
+        assert pick_prefill_matrix(test_library, TINY, dtype, device, True, fold_norms) is True
+    else:
+        with pytest.raises(ModelError, match="prefill_matrix was asked for, but"):
+            pick_prefill_matrix(test_library, TINY, dtype, device, True, fold_norms)
+
+
+def test_an_artifact_without_the_matrix_builds_is_named(test_library):
+    lacking = SimpleNamespace(specs={name: spec for name, spec in test_library.specs.items() if "_smx" not in name})
+    reason = why_no_prefill_matrix(lacking, TINY, "float16", adapter())
+    assert "no subgroup-matrix build" in reason and "_smx" in reason
+
+
+def test_every_served_model_has_matrix_builds_that_fit_32_kib(library):
+    """The served artifact's matrix builds: the features their WGSL enables, 4 subgroups of 32,
+    within the 32 KiB of workgroup storage the tests' adapter and the H200's both offer."""
+    matrix = [spec for spec in library.specs.values() if "_smx" in spec.name]
+    assert matrix
+    for spec in matrix:
+        assert spec.features == [SUBGROUP_MATRIX, "shader-f16"], spec.name
+        assert spec.workgroup_size == [128, 1, 1] and spec.workgroup_storage_bytes <= MAX_WORKGROUP_STORAGE
+        assert spec.meta["source"] == "wgsl"
+
+
+def test_the_build_refuses_wgsl_that_differs_from_its_declared_abi():
+    """The WGSL kernel's manifest entry comes from its declared ABI, checked against its text."""
+    spec = MatmulSpec(256, 128, "float16", norm_eps=1e-5, swiglu=True, tiled=True, matrix=True)
+    kernel = matrix_matmul(spec)
+    built = build_wgsl_kernel(spec.name, kernel, {}, spec.buffers, MAX_WORKGROUP_STORAGE)
+    assert built.spec.buffer_names == ["x", "norm", "w", "scale", "wmin", "y"]
+    assert [p["name"] for p in built.spec.pod] == ["n", "out_features", "eps"]
+    assert built.spec.grid == [["//", ["+", ["//", "out_features", 2], 63], 64], ["//", ["+", "n", 127], 128]]
+    swapped = dataclasses.replace(kernel, buffers=(kernel.buffers[1], kernel.buffers[0], *kernel.buffers[2:]))
+    pod = dataclasses.replace(kernel, pod=kernel.pod[:2])
+    size = dataclasses.replace(kernel, workgroup_size=(256, 1, 1))
+    for wrong, message in ((swapped, "storage bindings"), (pod, "PODArgs"), (size, "workgroup size")):
+        with pytest.raises(ValueError, match=message):
+            build_wgsl_kernel(spec.name, wrong, {}, spec.buffers, MAX_WORKGROUP_STORAGE)
+    with pytest.raises(ValueError, match="binds"):  # the names the runtime binds come from the spec
+        build_wgsl_kernel(spec.name, kernel, {}, spec.buffers[1:], MAX_WORKGROUP_STORAGE)
+    with pytest.raises(ValueError, match="workgroup storage"):
+        build_wgsl_kernel(spec.name, kernel, {}, spec.buffers, 16384)
+
+
+# -- the tiny model through the matrix builds, emulated ---------------------------------------------------
+@contextmanager
+def offering_subgroup_matrices(gpu):
+    """The tests' device, saying it has subgroup matrices of the kernels' shape in subgroups of 32
+    (the emulated kernels need neither)."""
+    saved = gpu.features, gpu.subgroup_matrix_configs, gpu.subgroup_min_size, gpu.subgroup_max_size
+    gpu.features = gpu.features | {SUBGROUP_MATRIX}
+    gpu.subgroup_matrix_configs, gpu.subgroup_min_size, gpu.subgroup_max_size = (MATRIX_CONFIG,), 32, 32
+    try:
+        yield gpu
+    finally:
+        gpu.features, gpu.subgroup_matrix_configs, gpu.subgroup_min_size, gpu.subgroup_max_size = saved
+
+
+class EmulatingLibrary:
+    """The test artifact's kernels (compiled once, by the session's library) with the subgroup-matrix
+    kernels' builtins emulated."""
+
+    def __init__(self, library: KernelLibrary, folder):
+        self.library, self.folder = library, folder
+        self.specs = {name: dataclasses.replace(spec, features=[f for f in spec.features if f != SUBGROUP_MATRIX])
+                      for name, spec in library.specs.items()}
+        self.matrix = {name for name, spec in library.specs.items() if SUBGROUP_MATRIX in spec.features}
+        self._emulated: dict = {}
+
+    async def kernel(self, name: str):
+        if name not in self.matrix:
+            return await self.library.kernel(name)
+        if name not in self._emulated:
+            spec = self.specs[name]
+            wgsl = emulated((self.folder / spec.wgsl).read_text())
+            self._emulated[name] = await Kernel.compile(self.library.device, spec, wgsl)
+        return self._emulated[name]
+
+    async def kernels(self, names) -> list:
+        return [await self.kernel(name) for name in names]
+
+    def names(self, **meta) -> list[str]:
+        return self.library.names(**meta)
+
+
+def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tiny_dir, tiny_reference):
+    """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
+    matrix builds; the logits as close to the f64 reference as the scalar kernels' (their W is f16
+    too); the overlay's prefill rows name the path; a request for the scalar kernels runs them."""
+    if not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    with offering_subgroup_matrices(gpu):
+        library = EmulatingLibrary(test_library, test_artifact_dir)
+        model = load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
+                     prefill_matrix=True)
+    assert model.has_prefill_matrix and model.options.prefill_matrix is True
+    assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
+        matrix_roles(llama_kernels(TINY, "float16")))
+    rng = np.random.default_rng(5)
+    tiny_reference.reset()
+    history = []
+    for turn, (n, tiles) in enumerate([(40, "128-token"), (20, "32-token")]):
+        prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, n)]
+        position = len(history)
+        token = loop.run_until_complete(model.forward(prompt))
+        want = tiny_reference.forward(prompt, position)[-1]
+        got = logits_of(loop, model)
+        assert rel_l2(got, want) < LOGIT_TOLERANCE["float16"], f"turn {turn}: {rel_l2(got, want):.2e}"
+        assert model.stats[-1].kernel == f"prefill · subgroup-matrix matmuls, {tiles} tiles"
+        history += prompt
+        assert token == int(np.argmax(got))
+    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
+    loop.run_until_complete(model.forward([5, 6, 7]))
+    assert model.stats[-1].kernel == "prefill · scalar matmuls, 32-token tiles"
+
+
+def test_a_request_for_matrix_builds_the_model_did_not_load_is_refused(loop, gpu, test_library, tiny_dir):
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
+    assert not model.has_prefill_matrix and model.options.prefill_matrix is False
+    with pytest.raises(ModelError, match="prefill_matrix was asked for, but this adapter has no subgroup matrices"):
+        loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=True)))
