@@ -109,6 +109,8 @@ SHORT_PREFILL_TOKENS = 32
 # fragments of M = N = K = MATRIX_FRAGMENT with f32 results, in subgroups of exactly MATRIX_SUBGROUP.
 MATRIX_FRAGMENT = 16
 MATRIX_SUBGROUP = 32
+# The adapter's subgroupMatrixConfigs entry those builds need: (operand, result, M, N, K)
+MATRIX_CONFIG = ("f16", "f32", MATRIX_FRAGMENT, MATRIX_FRAGMENT, MATRIX_FRAGMENT)
 MATRIX_SUFFIX = "_matrix"  # a prefill role's subgroup-matrix build (llama_kernels' prefill_matrix)
 SHORT_SUFFIX = "_short"  # a prefill role's short token tile
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all

@@ -12,8 +12,8 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_FRAGMENT, MATRIX_SUBGROUP, llama_kernels, matmul_int8_x,
-                              matmul_subgroup_lanes, matrix_roles, prefill_matrix)
+from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_CONFIG, MATRIX_FRAGMENT, MATRIX_SUBGROUP,
+                              SHORT_PREFILL_TOKENS, llama_kernels, matmul_int8_x, matmul_subgroup_lanes, matrix_roles, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             LlamaConfig, model_tensors, synthetic_config_name)
 from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
@@ -172,7 +172,8 @@ async def warm_up(model: LlamaModel) -> None:
     buffers are sized for a whole prefill chunk first, so no later prompt reallocates them (which
     drops every bound pass). The prompt ends 3 tokens short of the switch, and the steps go on to
     the first context past it that times attention (RunOptions.time_attention_every): so both nests
-    run as a step that times attention per layer and as a step that is one pass, as replies do."""
+    run as a step that times attention per layer and as a step that is one pass, as replies do. A
+    short prompt goes first: passes of up to SHORT_PREFILL_TOKENS run their own matmul builds."""
     from model_glue.generate import generate
 
     every = max(model.run.time_attention_every, 1)
@@ -181,6 +182,8 @@ async def warm_up(model: LlamaModel) -> None:
         return
     model.ensure_scratch(model.run.prefill_chunk)
     try:
+        await generate(model, [1] * min(SHORT_PREFILL_TOKENS, tokens), max_new_tokens=1)
+        model.reset()
         # decode contexts tokens + 1 .. TILED_MAX_CONTEXT + every: tiled timed (the first), tiled in one
         # pass, tiled timed (256), sharded in one pass, sharded timed (256 + every)
         await generate(model, [1] * tokens, max_new_tokens=every + 4)
@@ -264,10 +267,6 @@ def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | No
     if wanted:
         raise ModelError(f"matmul_int8_x was asked for, but {why_not}")
     return False
-
-
-# The subgroup-matrix shape the prefill matmuls' matrix builds multiply (kernels.prefill_matmul_matrix)
-MATRIX_CONFIG = ("f16", "f32", MATRIX_FRAGMENT, MATRIX_FRAGMENT, MATRIX_FRAGMENT)
 
 
 def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold_norms: bool = True) -> str | None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from contract.kernels import MATRIX_SUFFIX, MatmulSpec, llama_kernels, matrix_roles
+from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, MatmulSpec, llama_kernels, matrix_roles
 from contract.model import TEST_MODEL_CONFIGS
 from kernels.build import build_wgsl_kernel
 from kernels.prefill_matmul_matrix import MAX_WORKGROUP_STORAGE, matrix_matmul
@@ -21,7 +21,7 @@ from matrix_emulation import emulated
 from model_glue.artifact import KernelLibrary
 from model_glue.kernel import Kernel
 from model_glue.errors import ModelError
-from model_glue.loading import MATRIX_CONFIG, pick_prefill_matrix, why_no_prefill_matrix
+from model_glue.loading import pick_prefill_matrix, why_no_prefill_matrix
 from model_glue.webgpu import SUBGROUP_MATRIX
 from test_model import LOGIT_TOLERANCE, TINY_VOCAB, load, logits_of, rel_l2, tiny_dir, tiny_reference  # noqa: F401
 
