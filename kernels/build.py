@@ -16,7 +16,7 @@ import tvm
 from tvm import tirx
 
 from kernels.abi import BINDING_RE, kernel_spec, pod_struct_fields, wgsl_features, workgroup_storage_bytes
-from kernels.prefill_matmul_matrix import WgslKernel
+from kernels.wgsl import WgslKernel
 from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, BufferSpec, KernelSpec
 from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 

@@ -28,7 +28,8 @@ from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
 from kernels.prefill_matmul import quantized_matmul_tiled
-from kernels.prefill_matmul_matrix import MAX_WORKGROUP_STORAGE, matrix_matmul
+from kernels.prefill_matmul_matrix import matrix_matmul
+from kernels.wgsl import MAX_WORKGROUP_STORAGE
 from kernels.probe import row_sum_probe, stream_read_probe
 from kernels.gguf_repack import gguf_repack
 from kernels.quantize_x import quantize_x

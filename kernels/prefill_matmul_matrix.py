@@ -4,12 +4,8 @@ y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.ll
 of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the SwiGLU
 after it (`swiglu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
 
-Why WGSL text and not TVMScript: TVM 0.27's WebGPU codegen emits no subgroup-matrix code (its SPIR-V
-codegen has cooperative matrices), and WebGPU's subgroup matrices exist only as Chromium's
-experimental extension (`chromium_experimental_subgroup_matrix`). The kernel is made under the same
-contract as the TVM-built ones: `matrix_matmul(spec)` returns the WGSL and its ABI (bindings,
-PODArgs, workgroup size, grid), and the build (kernels.build.build_wgsl_kernel) checks that the
-WGSL declares exactly that before it enters the manifest.
+Written as WGSL (kernels.wgsl says why), under the same contract as the TVM-built kernels:
+`matrix_matmul(spec)` returns the WGSL and its ABI, checked by the build before it enters the manifest.
 
     grid (column tiles, ceil(n / TOKENS)); 128 invocations = 4 subgroups of 32
     a tile: TOKENS tokens x 128 weight rows (with swiglu: 64 gate rows, then the up rows of the same
@@ -27,12 +23,9 @@ the kernel needs less than 32 KiB of workgroup storage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from contract.kernels import MatmulSpec
+from kernels.wgsl import FRAG, SUBGROUP, WgslKernel, left, matrix_header, result_store, result_zero, right
 
-SUBGROUP = 32  # invocations a subgroup: the kernel runs only where every subgroup has exactly this many
-FRAG = 16  # the fragments' M = N = K (an f16 -> f32 subgroup-matrix config the adapter must list)
 THREADS = 128  # 4 subgroups
 ROWS = 128  # weight rows of a tile
 K_STEP = 32  # columns of `in` staged per step: one q4 block (4 words) of each row
@@ -44,21 +37,6 @@ C_STRIDE = ROWS + 4
 X_WORDS = K_STEP // 8  # vec4<u32> loads of one token's x per step (8 halves each)
 # Token tiles: (subgroups along tokens, subgroups along rows, fragments a subgroup along each).
 TILE_LAYOUTS = {128: (2, 2, 4, 4), 32: (1, 4, 2, 2)}
-MAX_WORKGROUP_STORAGE = 32768  # what the kernels may need (an adapter's maxComputeWorkgroupStorageSize)
-
-
-@dataclass(frozen=True)
-class WgslKernel:
-    """A kernel written as WGSL, with the ABI the build checks it against: storage buffers in binding
-    order as (name, access, element dtype, WGSL element type), then the PODArgs fields (name, WGSL
-    type) and `packGridDimX: u32` in a uniform, the workgroup size and the grid (manifest expressions)."""
-
-    wgsl: str
-    entry: str
-    buffers: tuple[tuple[str, str, str, str], ...]
-    pod: tuple[tuple[str, str], ...]
-    workgroup_size: tuple[int, int, int]
-    grid: tuple
 
 
 def column_tile(spec: MatmulSpec) -> int:
@@ -92,16 +70,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     width = ["//", "out_features", 2] if swiglu else "out_features"
     grid = (["//", ["+", width, columns - 1], columns], ["//", ["+", "n", tokens - 1], tokens])
 
-    lines = [
-        "diagnostic(off, chromium.subgroup_matrix_uniformity);",
-        "enable f16;",
-        "enable chromium_experimental_subgroup_matrix;",
-        "",
-    ]
-    lines += [f"@group(0) @binding({i}) var<storage, {access}> {buf} : array<{wgsl_type}>;"
-              for i, (buf, access, _dtype, wgsl_type) in enumerate(buffers)]
-    lines += ["", "struct PODArgs {"] + [f"  {field}: {wgsl_type}," for field, wgsl_type in pod]
-    lines += ["  packGridDimX: u32", "}", f"@group(0) @binding({len(buffers)}) var<uniform> podArgs : PODArgs;", ""]
+    lines = matrix_header(buffers, pod)
     lines += [
         f"var<workgroup> x_tile : array<f16, {tokens * A_STRIDE}>;  // [token][k], f16",
         f"var<workgroup> w_tile : array<f16, {K_STEP * B_STRIDE}>;  // [k][row], dequantized",
@@ -137,7 +106,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
               "  var w_min : f32;"]
     lines += ["  var norm_lo : vec4<f32>;  // the norm's weight of this thread's quarter of x",
               "  var norm_hi : vec4<f32>;"] * normed + [""]
-    lines += [f"  var acc{i}_{j} = subgroup_matrix_result<f32, {FRAG}, {FRAG}>();"
+    lines += [f"  var acc{i}_{j} = {result_zero()};"
               for i in range(frags_m) for j in range(frags_n)]
 
     def load(step: str) -> list[str]:
@@ -169,11 +138,11 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
               f"    if (step + 1u < {steps}u) {{"] + load("(step + 1u)") + ["    }"]
     for kk in range(0, K_STEP, FRAG):
         for i in range(frags_m):
-            lines.append(f"    let left{kk}_{i} = subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>("
-                         f"&x_tile, (sm * {sub_tokens}u + {i * FRAG}u) * {A_STRIDE}u + {kk}u, {A_STRIDE}u);")
+            lines.append(f"    let left{kk}_{i} = "
+                         + left("x_tile", f"(sm * {sub_tokens}u + {i * FRAG}u) * {A_STRIDE}u + {kk}u", f"{A_STRIDE}u") + ";")
         for j in range(frags_n):
-            lines.append(f"    {{ let right = subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, row_major>("
-                         f"&w_tile, {kk * B_STRIDE}u + sn * {frags_n * FRAG}u + {j * FRAG}u, {B_STRIDE}u);")
+            lines.append("    { let right = "
+                         + right("w_tile", f"{kk * B_STRIDE}u + sn * {frags_n * FRAG}u + {j * FRAG}u", f"{B_STRIDE}u") + ";")
             lines += [f"      acc{i}_{j} = subgroupMatrixMultiplyAccumulate(left{kk}_{i}, right, acc{i}_{j});"
                       for i in range(frags_m)]
             lines.append("    }")
@@ -197,8 +166,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
         first = part * EPILOGUE_TOKENS
         owner, i0 = first // sub_tokens, (first % sub_tokens) // FRAG
         lines += ["  workgroupBarrier();", f"  if (sm == {owner}u) {{"]
-        lines += [f"    subgroupMatrixStore<row_major>(&results, {di * FRAG * C_STRIDE}u + sn * {frags_n * FRAG}u + "
-                  f"{j * FRAG}u, acc{i0 + di}_{j}, {C_STRIDE}u);" for di in range(frags_per_pass) for j in range(frags_n)]
+        lines += ["    " + result_store("results", f"{di * FRAG * C_STRIDE}u + sn * {frags_n * FRAG}u + {j * FRAG}u",
+                                      f"acc{i0 + di}_{j}", f"{C_STRIDE}u")
+                  for di in range(frags_per_pass) for j in range(frags_n)]
         lines += ["  }", "  workgroupBarrier();"]
         if swiglu:  # thread: column tid % 64 of the part's tokens (tid / 64) * 8 .. + 7
             rows_each = EPILOGUE_TOKENS * columns // THREADS

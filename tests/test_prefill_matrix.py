@@ -16,7 +16,8 @@ import pytest
 from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, MatmulSpec, llama_kernels, matrix_roles
 from contract.model import TEST_MODEL_CONFIGS
 from kernels.build import build_wgsl_kernel
-from kernels.prefill_matmul_matrix import MAX_WORKGROUP_STORAGE, matrix_matmul
+from kernels.prefill_matmul_matrix import matrix_matmul
+from kernels.wgsl import MAX_WORKGROUP_STORAGE
 from matrix_emulation import emulated
 from model_glue.artifact import KernelLibrary
 from model_glue.kernel import Kernel
