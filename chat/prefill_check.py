@@ -1,14 +1,17 @@
-"""The loaded model's prefill matmuls in the page: checked against float64, timed per kernel, and the
+"""The loaded model's prefill kernels in the page: checked against float64, timed per kernel, and the
 prefill itself timed at several prompt lengths (`python -m app bench page --prefill`, and on a GPU
 machine tools/gpu_prefill.py).
 
-Each build the model runs (the scalar tiled kernels and, where the model loaded them, the
+Each matmul build the model runs (the scalar tiled kernels and, where the model loaded them, the
 subgroup-matrix builds; 128- and 32-token tiles) is run on random q4 weights of the model's row
 widths and CHECK_ROWS rows (a part-full last tile of every build), for a pass that leaves its last
 token tile part-full, and its outputs at SAMPLES places, every tile's corners among them, are
 compared with a float64 dot product computed here (standard library only: the page has no numpy).
-A wrong build is reported and not timed. Then each build is timed (GPU timestamps) on the model's
-own layer-0 weights at full size.
+Each prefill attention build is run on random q and paged K/V, for a first turn and a follow-up
+after a cached prefix, with keys that grow along the context (so later tiles move a row's max and
+the subgroup-matrix build's lazy rescale runs), and compared at sampled (token, head) rows. Then
+each build is timed (GPU timestamps) at full size: the matmuls on the model's own layer-0 weights,
+attention on its KV cache's first layer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from array import array
 from dataclasses import replace
 
 from chat.lab import _gpu_seconds, random_values
-from contract.kernels import MATRIX_MATMULS, SHORT_PREFILL_TOKENS, llama_kernels, prefill_matmul_role
+from contract.attention import MATRIX_PREFILL, AttentionChoice
+from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, SHORT_PREFILL_TOKENS, llama_kernels, prefill_matmul_role
 from contract.model import DTYPE_BYTES
 
 CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
@@ -29,6 +33,11 @@ SAMPLES = 96
 TOLERANCE = {"float16": 2e-3, "float32": 1e-4}  # relative L2 over the samples (f16: y's and f16 W's rounding)
 TIMED_TOKENS = (1536, 8000)
 TIMED_ITERS, TIMED_ROUNDS = 5, 2
+# prefill attention: (tokens cached before the pass, its tokens) of the checked calls, (token, head)
+# rows compared in each, and how fast K grows along the context (1 + position / KEY_GROWTH)
+ATTENTION_CASES = ((0, 150), (300, 20))
+ATTENTION_SAMPLES = 24
+KEY_GROWTH = 128
 # the weight matrix each prefill matmul reads (contract.kernels.LAYER_MATMULS)
 WEIGHTS = {"norm_qkv": "qkv", "qkv": "qkv", "o_residual": "o", "norm_gate_up_swiglu": "gate_up", "gate_up": "gate_up",
            "down_residual": "down"}
@@ -127,7 +136,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
                 bound.release()
                 for buffer in uploaded.values():
                     device.destroy(buffer)
-            row = {"matmul": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
+            row = {"role": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
                    "tile": "short" if n <= SHORT_PREFILL_TOKENS else "long", "in_features": spec.in_features,
                    "rows": CHECK_ROWS, "samples": len(inputs.places), "rel_l2": error,
                    "ok": error <= TOLERANCE[model.dtype]}
@@ -165,7 +174,7 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
                 finally:
                     bound.release()
                 flops = 2 * n * spec.out_features * spec.in_features
-                row = {"matmul": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
+                row = {"role": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
                        "shape": f"{n} x {spec.out_features} x {spec.in_features}", "us": seconds * 1e6,
                        "tflops": flops / seconds / 1e12, "timing": "gpu-timestamps"}
                 rows.append(row)
@@ -174,6 +183,155 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
             for buffer in (x, y, resid):
                 device.destroy(buffer)
     return rows
+
+
+def _attention_builds(model) -> list[AttentionChoice]:
+    """The prefill attention builds the model runs: the scalar kernel and, beside the matmuls'
+    subgroup-matrix builds, its own."""
+    builds = [AttentionChoice("prefill")] if model.attention.prefill else []
+    if model.has_prefill_matrix and model.attention.prefill_matrix:
+        builds.append(AttentionChoice("prefill", MATRIX_PREFILL))
+    return builds
+
+
+class AttentionInputs:
+    """One prefill attention call: `n` new tokens after `start` cached ones, on shuffled pages, K
+    growing along the context, and the float64 reference at sampled (token, head) rows."""
+
+    def __init__(self, shape, start: int, n: int, dtype: str, rng: random.Random):
+        self.shape, self.start, self.n, self.dtype = shape, start, n, dtype
+        self.used = (start + n + PAGE_SIZE - 1) // PAGE_SIZE
+        self.num_pages = self.used + 1  # a page the sequence does not own
+        self.page_ids = rng.sample(range(self.num_pages), self.used)
+        self.q = random_values(n * shape.num_qo_heads * shape.head_dim, dtype, rng)
+        pages = bytearray(random_values(self.num_pages * 2 * shape.num_kv_heads * PAGE_SIZE * shape.head_dim,
+                                        dtype, rng))
+        values = memoryview(pages).cast("e" if dtype == "float16" else "f")
+        for position in range(start + n):
+            for kv_head in range(shape.num_kv_heads):
+                at = self._at(position, 0, kv_head)
+                for i in range(at, at + shape.head_dim):
+                    values[i] *= 1 + position / KEY_GROWTH
+        self.pages = bytes(pages)
+        corners = {(0, 0), (n - 1, shape.num_qo_heads - 1), (min(n - 1, 15), shape.group - 1)}
+        self.rows = sorted(corners | {(rng.randrange(n), rng.randrange(shape.num_qo_heads))
+                                      for _ in range(ATTENTION_SAMPLES - len(corners))})
+        self.want = [self._reference(t, h) for t, h in self.rows]
+
+    def _at(self, position: int, kv: int, kv_head: int) -> int:
+        s = self.shape
+        page = self.page_ids[position // PAGE_SIZE]
+        return (((page * 2 + kv) * s.num_kv_heads + kv_head) * PAGE_SIZE + position % PAGE_SIZE) * s.head_dim
+
+    def _reference(self, token: int, head: int) -> list[float]:
+        s, D = self.shape, self.shape.head_dim
+        q = self.values(self.q)[(token * s.num_qo_heads + head) * D:(token * s.num_qo_heads + head + 1) * D].tolist()
+        pages, kv_head = self.values(self.pages), head // s.group
+        positions = range(self.start + token + 1)  # causal: the cached prefix and the pass up to the token
+        scores = [D ** -0.5 * math.fsum(a * b for a, b in zip(q, pages[self._at(p, 0, kv_head):][:D].tolist()))
+                  for p in positions]
+        top = max(scores)
+        weights = [math.exp(x - top) for x in scores]
+        out = [0.0] * D
+        for p, w in zip(positions, weights):
+            at = self._at(p, 1, kv_head)
+            for d, v in enumerate(pages[at:at + D].tolist()):
+                out[d] += w * v
+        total = math.fsum(weights)
+        return [x / total for x in out]
+
+    def values(self, data) -> memoryview:
+        return memoryview(data).cast("e" if self.dtype == "float16" else "f")
+
+    def relative_error(self, output: bytes) -> float:
+        got, s = self.values(output), self.shape
+        num = den = 0.0
+        for (t, h), want in zip(self.rows, self.want):
+            at = (t * s.num_qo_heads + h) * s.head_dim
+            num += math.fsum((a - b) ** 2 for a, b in zip(got[at:at + s.head_dim].tolist(), want))
+            den += math.fsum(b * b for b in want)
+        return math.sqrt(num / den) if den else math.inf
+
+
+def _attention_values(shape, n: int, start: int, num_pages: int, used: int) -> dict:
+    return {"n": n, "num_pages": num_pages, "used_pages": used, "start": start, "sm_scale": shape.head_dim ** -0.5}
+
+
+async def check_prefill_attention(model, seed: int = 0, on_row=lambda row: None) -> list[dict]:
+    """Every prefill attention build the model runs against float64 (one row a build and case)."""
+    device, rng, shape = model.device, random.Random(seed), model.config.attention_shape
+    cases = [AttentionInputs(shape, start, n, model.dtype, rng) for start, n in ATTENTION_CASES]
+    rows = []
+    for choice in _attention_builds(model):
+        kernel = await model.library.kernel(model.attention.kernel_names(choice)[0])
+        for inputs in cases:
+            out_bytes = len(inputs.q)
+            uploaded = {"q": device.storage_buffer(len(inputs.q), inputs.q),
+                        "pages": device.storage_buffer(len(inputs.pages), inputs.pages),
+                        "page_ids": device.storage_buffer(4 * inputs.used, array("i", inputs.page_ids).tobytes()),
+                        "output": device.storage_buffer(out_bytes)}
+            bound = kernel.bind(uploaded, _attention_values(shape, inputs.n, inputs.start, inputs.num_pages,
+                                                            inputs.used))
+            try:
+                batch = device.batch()
+                bound.dispatch(batch)
+                batch.submit()
+                error = inputs.relative_error(await device.read(uploaded["output"], out_bytes))
+            finally:
+                bound.release()
+                for buffer in uploaded.values():
+                    device.destroy(buffer)
+            row = {"role": "attention", "kernel": kernel.name, "matrix": choice.layout == MATRIX_PREFILL,
+                   "tokens": inputs.n, "start": inputs.start, "samples": len(inputs.rows), "rel_l2": error,
+                   "ok": error <= TOLERANCE[model.dtype]}
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
+async def time_prefill_attention(model, tokens=TIMED_TOKENS, iters: int = TIMED_ITERS,
+                                 on_row=lambda row: None) -> list[dict]:
+    """GPU time and TFLOP/s of each prefill attention build for a first turn of each length that
+    fits the model's KV cache (on its first layer's pages: what they hold does not change the work)."""
+    device, shape, esize = model.device, model.config.attention_shape, DTYPE_BYTES[model.dtype]
+    if not device.has_timestamps:
+        return []
+    rng, rows = random.Random(2), []
+    for n in [n for n in tokens if n <= model.kv.capacity]:
+        used = (n + PAGE_SIZE - 1) // PAGE_SIZE
+        width = shape.num_qo_heads * shape.head_dim
+        buffers = {"q": device.storage_buffer(n * width * esize, random_values(n * width, model.dtype, rng)),
+                   "page_ids": device.storage_buffer(4 * used, array("i", range(used)).tobytes()),
+                   "output": device.storage_buffer(n * width * esize)}
+        try:
+            for choice in _attention_builds(model):
+                kernel = await model.library.kernel(model.attention.kernel_names(choice)[0])
+                bound = kernel.bind({**buffers, "pages": model.kv.layers[0]},
+                                    _attention_values(shape, n, 0, model.kv.num_pages, used))
+                try:
+                    seconds = await _gpu_seconds(device, [bound], iters, TIMED_ROUNDS)
+                finally:
+                    bound.release()
+                flops = 4 * shape.num_qo_heads * shape.head_dim * n * (n + 1) // 2  # q.k and p.v of each causal pair
+                row = {"role": "attention", "kernel": kernel.name, "matrix": choice.layout == MATRIX_PREFILL,
+                       "tokens": n, "shape": f"{n} causal, {shape.num_qo_heads} heads x {shape.head_dim}",
+                       "us": seconds * 1e6, "tflops": flops / seconds / 1e12, "timing": "gpu-timestamps"}
+                rows.append(row)
+                on_row(row)
+        finally:
+            for buffer in buffers.values():
+                device.destroy(buffer)
+    return rows
+
+
+async def check_prefill_kernels(model, seed: int = 0) -> list[dict]:
+    """check_prefill_matmuls, then check_prefill_attention."""
+    return await check_prefill_matmuls(model, seed) + await check_prefill_attention(model, seed)
+
+
+async def time_prefill_kernels(model, tokens=TIMED_TOKENS) -> list[dict]:
+    """time_prefill_matmuls, then time_prefill_attention."""
+    return await time_prefill_matmuls(model, tokens) + await time_prefill_attention(model, tokens)
 
 
 async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37), matrix=None,

@@ -110,6 +110,11 @@ class LayoutChoice:
         return f"{self.layout}:{self.num_splits}" if self.num_splits > 1 else self.layout
 
 
+# The prefill attention's build on subgroup matrices (AttentionChoice.layout of a prefill pass;
+# AttentionSpec.tag of its kernel: kernels.prefill_attention_matrix)
+MATRIX_PREFILL = "subgroup-matrix"
+
+
 @dataclass(frozen=True)
 class AttentionChoice:
     """The attention kernels of one pass: the causal "prefill" kernel, the "tiled" nest, or the
@@ -117,7 +122,7 @@ class AttentionChoice:
     (the layout's split kernel, then the merge)."""
 
     nest: str  # "prefill", "tiled" or "sharded"
-    layout: str | None = None  # a LAYOUTS name, for "sharded"
+    layout: str | None = None  # a LAYOUTS name, for "sharded"; MATRIX_PREFILL for prefill on subgroup matrices
     num_splits: int = 1
 
     @property
@@ -125,7 +130,10 @@ class AttentionChoice:
         return self.num_splits > 1
 
     def __str__(self) -> str:
-        """What the overlay and the export show: "tiled", "prefill", "subgroup", "shards S=8"."""
+        """What the overlay and the export show: "tiled", "prefill", "prefill (subgroup-matrix)",
+        "subgroup", "shards S=8"."""
+        if self.nest == "prefill" and self.layout:
+            return f"prefill ({self.layout})"
         if self.nest != "sharded":
             return self.nest
         return f"{self.layout} S={self.num_splits}" if self.split else self.layout

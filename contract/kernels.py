@@ -67,8 +67,9 @@ class AttentionSpec:
         s, dtype = self.shape, DTYPE_TAGS[self.dtype]
         if self.kernel == "merge":  # merges the S partial states of any layout's split kernel
             return f"decode_merge_d{s.head_dim}_qo{s.num_qo_heads}_{dtype}"
-        if self.kernel == "prefill":
-            return f"prefill_attention_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}"
+        if self.kernel == "prefill":  # tag: MATRIX_PREFILL for the build on subgroup matrices
+            build = MATRIX_SUFFIX if self.tag else ""
+            return f"prefill_attention{build}_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}"
         return (f"decode_{self.kernel}{'_' + self.tag if self.tag else ''}{'_split' if self.split else ''}"
                 f"_d{s.head_dim}_kv{s.num_kv_heads}_qo{s.num_qo_heads}_{dtype}{'_sw' if self.sliding_window else ''}")
 

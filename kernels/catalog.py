@@ -17,16 +17,17 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, Layout
-from contract.kernels import (PREFILL_TOKEN_TILE, QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES, SHORT_PREFILL_TOKENS, SPLIT_WORKSPACE, TILED_WORKGROUP_STORAGE_BYTES,
-                              WORKGROUP_STORAGE_BYTES,
-                              AttentionSpec, MatmulSpec, llama_kernels)
+from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, Layout
+from contract.kernels import (MATRIX_FRAGMENT, PREFILL_TOKEN_TILE, QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES,
+                              SHORT_PREFILL_TOKENS, SPLIT_WORKSPACE, TILED_WORKGROUP_STORAGE_BYTES,
+                              WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
                             SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
 from kernels import llama
 from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
+from kernels.prefill_attention_matrix import matrix_prefill_attention
 from kernels.prefill_matmul import quantized_matmul_tiled
 from kernels.prefill_matmul_matrix import matrix_matmul
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
@@ -41,6 +42,7 @@ from contract.gguf import GGML_TYPES, REPACK_BUFFERS, REPACK_TARGETS, repack_ker
 BUILDERS = {
     "row_sum_probe": row_sum_probe, "stream_read_probe": stream_read_probe,
     "tiled": decode_attention_tiled, "merge": decode_attention_merge, "prefill_attention": prefill_attention,
+    "prefill_attention_matrix": matrix_prefill_attention,
     "quantized_matmul_tiled": quantized_matmul_tiled, "prefill_matmul_matrix": matrix_matmul,
     "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
     "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu,
@@ -123,8 +125,9 @@ def attention_recipe(spec: AttentionSpec, builder: str, meta: dict | None = None
                       build=spec.kernel + (f"_{spec.tag}" if spec.tag else "") + suffix)
         if suffix:
             common["sweep"] = True
-    # TVM's tiled kernel may exceed the 16 KiB default (f32, group 1); ours may not.
-    storage = TILED_WORKGROUP_STORAGE_BYTES if spec.kernel == "tiled" else WORKGROUP_STORAGE_BYTES
+    # TVM's tiled kernel may exceed the 16 KiB default (f32, group 1); ours may not, but on subgroup matrices.
+    storage = (TILED_WORKGROUP_STORAGE_BYTES if spec.kernel == "tiled" else
+               MAX_WORKGROUP_STORAGE if spec.kernel == "prefill" and spec.tag else WORKGROUP_STORAGE_BYTES)
     return KernelRecipe(spec.name + suffix, builder, args, {**common, **(meta or {})}, spec.buffers, storage,
                         options or {}, subgroups=subgroups)
 
@@ -155,10 +158,22 @@ def attention_recipes(shape: AttentionShape, dtype: str, sliding_window: bool = 
     return recipes + [attention_recipe(AttentionSpec("merge", shape, dtype), "merge")]
 
 
-def prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
-    """The causal paged prefill attention kernel of one shape."""
-    return attention_recipe(AttentionSpec("prefill", shape, dtype), "prefill_attention",
-                            prefill_layout(shape.head_dim, dtype))
+def prefill_attention_recipes(shape: AttentionShape, dtype: str) -> list[KernelRecipe]:
+    """The causal paged prefill attention kernel of one shape (head_dim at most 128: it keeps D/4
+    vectors of q and O a thread), and in f16 its build on subgroup matrices."""
+    if shape.head_dim > 128:
+        return []
+    recipes = [attention_recipe(AttentionSpec("prefill", shape, dtype), "prefill_attention",
+                                prefill_layout(shape.head_dim, dtype))]
+    if dtype == "float16" and shape.head_dim % MATRIX_FRAGMENT == 0:
+        recipes.append(matrix_prefill_attention_recipe(shape))
+    return recipes
+
+
+def matrix_prefill_attention_recipe(shape: AttentionShape) -> KernelRecipe:
+    """The causal prefill attention of one shape on subgroup matrices (f16, WGSL)."""
+    return attention_recipe(AttentionSpec("prefill", shape, "float16", tag=MATRIX_PREFILL), "prefill_attention_matrix",
+                            {"build": MATRIX_PREFILL})
 
 
 def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> list[KernelRecipe]:
@@ -186,8 +201,7 @@ def all_recipes() -> list[KernelRecipe]:
     for shape in BENCH_SHAPES + MODEL_SHAPES:
         for dtype in DTYPES:
             recipes += attention_recipes(shape, dtype)
-            if shape.head_dim <= 128:  # kernels.prefill_attention keeps D/4 vectors of q and O a thread
-                recipes.append(prefill_attention_recipe(shape, dtype))
+            recipes += prefill_attention_recipes(shape, dtype)
     for name, config in MODEL_CONFIGS.items():
         for dtype in DTYPES:
             recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
@@ -197,8 +211,7 @@ def all_recipes() -> list[KernelRecipe]:
             recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
             if config.attention_shape not in served_shapes:  # Llama 3's 1B and 8B shapes are benchmark shapes
                 recipes += attention_recipes(config.attention_shape, dtype)
-                if config.head_dim <= 128:
-                    recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
+                recipes += prefill_attention_recipes(config.attention_shape, dtype)
     recipes += fill_recipes() + repack_recipes()
     unique = {r.name: r for r in recipes}  # shapes may repeat across lists
     return list(unique.values())
@@ -337,7 +350,9 @@ def test_recipes() -> list[KernelRecipe]:
     for shape, dtype, window, layouts in cases:
         recipes += attention_recipes(shape, dtype, window, layouts=layouts,
                                      build_params={"builds": subgroup_builds_for_tests(shape)})
-    recipes += [prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
+    recipes += [prefill_attention_recipe for shape, dtype in TEST_PREFILL_ATTENTION
+                for prefill_attention_recipe in prefill_attention_recipes(shape, dtype)]
+    recipes += [matrix_prefill_attention_recipe(shape) for shape, _dtype in TEST_PREFILL_ATTENTION]  # every group
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
             builds = [(None, False, False, tile, matrix)  # (subgroup lanes, int8_x, quantizes_y, token tile, matrix)
@@ -363,19 +378,19 @@ def test_recipes() -> list[KernelRecipe]:
     smollm2 = MODEL_CONFIGS["smollm2_135m"]
     recipes += attention_recipes(smollm2.attention_shape, "float32", layouts=("subgroup",),
                                  build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
-    recipes.append(prefill_attention_recipe(smollm2.attention_shape, "float32"))
+    recipes += prefill_attention_recipes(smollm2.attention_shape, "float32")
     recipes += llama_recipes(smollm2, "float32", TEST_MATMUL_SUBGROUP_LANES[:1])
     for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny model
         for dtype in DTYPES:
             recipes += attention_recipes(config.attention_shape, dtype)
-            recipes.append(prefill_attention_recipe(config.attention_shape, dtype))
+            recipes += prefill_attention_recipes(config.attention_shape, dtype)
             recipes += llama_recipes(config, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])
     # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills
     for name in TEST_SYNTHETIC_SHAPES:
         config = SYNTHETIC_CONFIGS[name]
         recipes += attention_recipes(config.attention_shape, "float16", layouts=("subgroup",),
                                      build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
-        recipes.append(prefill_attention_recipe(config.attention_shape, "float16"))
+        recipes += prefill_attention_recipes(config.attention_shape, "float16")
         # the 1B's also with int8 codes of x (its gate/up quantizes down's x: tests/test_synthetic.py)
         recipes += llama_recipes(config, "float16", TEST_MATMUL_SUBGROUP_LANES[:1] if name == "llama_3_2_1b" else ())
     recipes += fill_recipes() + repack_recipes()

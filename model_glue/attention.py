@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from collections.abc import Collection
 
 from contract.artifacts import KernelSpec
-from contract.attention import (LAYOUTS, LAYOUTS_BY_NAME, MAX_SPLITS, NEST_CHOICES, AttentionChoice, Layout,
-                                LayoutChoice)
+from contract.attention import (LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, MAX_SPLITS, NEST_CHOICES, AttentionChoice,
+                                Layout, LayoutChoice)
 from contract.kernels import ATTENTION_BUFFERS, PAGE_SIZE, SPLIT_WORKSPACE, AttentionSpec
 from contract.model import AttentionShape
 
@@ -126,15 +126,17 @@ class AttentionKernels:
     tiled_defect: str | None  # why TVM's tiled kernel must not run for this shape (see `tiled_defect`)
     merge: str
     prefill: str | None  # the causal prefill kernel (None: the artifact has none for the shape)
+    prefill_matrix: str | None  # its build on subgroup matrices (None: the artifact has none)
     layouts: dict[str, LayoutKernels]  # layout name -> the build this device runs, for each it can
     unavailable: dict[str, str]  # layout name -> why it does not run here
 
     def kernel_names(self, choice: AttentionChoice) -> list[str]:
         """The kernels of one call, in dispatch order: one kernel, or a layout's split kernel and the merge."""
         if choice.nest == "prefill":
-            if self.prefill is None:
-                raise LookupError(f"the kernel artifact has no prefill attention for {self.shape}")
-            return [self.prefill]
+            kernel = self.prefill_matrix if choice.layout == MATRIX_PREFILL else self.prefill
+            if kernel is None:
+                raise LookupError(f"the kernel artifact has no {choice} attention for {self.shape}")
+            return [kernel]
         if choice.nest == "tiled":
             return [self.tiled]
         kernels = self.layouts.get(choice.layout)
@@ -177,6 +179,7 @@ def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device
     loading, the model, the kernel lab and the benchmarks learn it. A layout with several builds
     that fit (the subgroup layout) runs the one `pick_subgroup_build` prefers."""
     names = {kernel: AttentionSpec(kernel, shape, dtype).name for kernel in ("tiled", "merge", "prefill")}
+    names["prefill_matrix"] = AttentionSpec("prefill", shape, dtype, tag=MATRIX_PREFILL).name
     missing = [names[k] for k in ("tiled", "merge") if names[k] not in library.specs]
     if missing:
         raise LookupError(f"the kernel artifact has no {' or '.join(missing)}")
@@ -202,7 +205,8 @@ def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device
         else:
             unavailable[layout.name] = "the kernel artifact has no kernels of it for this shape (it may not fit)"
     return AttentionKernels(shape, dtype, names["tiled"], tiled_defect(library.specs[names["tiled"]]), names["merge"],
-                            names["prefill"] if names["prefill"] in library.specs else None, layouts, unavailable)
+                            *(names[k] if names[k] in library.specs else None for k in ("prefill", "prefill_matrix")),
+                            layouts, unavailable)
 
 
 # -- a step's choice: the nest, then the layout and its splits ------------------------------------------------

@@ -16,7 +16,7 @@ import time
 from array import array
 from typing import NamedTuple
 
-from contract.attention import AttentionChoice
+from contract.attention import MATRIX_PREFILL, AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from contract.kernels import (SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes,
                               o_merges_splits, prefill_matrix)
@@ -29,6 +29,9 @@ from model_glue.options import RunOptions
 from model_glue.pipeline import PassPipeline, PendingPass
 from model_glue.scratch import ScratchBuffers
 from model_glue.step_stats import StepStats, stamp_count
+
+# A prefill pass's attention on subgroup matrices (kernels.prefill_attention_matrix)
+PREFILL_ON_MATRICES = AttentionChoice("prefill", MATRIX_PREFILL)
 
 
 # A timed step whose split attention call is merged inside the o-projection (LlamaModel.o_merges)
@@ -120,6 +123,7 @@ class LlamaModel:
         choices = [AttentionChoice("tiled"), AttentionChoice("sharded", layout, 1)]
         choices += [AttentionChoice("sharded", layout, 2)] if split else []
         choices += [AttentionChoice("prefill")] if self.attention.prefill else []
+        choices += [PREFILL_ON_MATRICES] if self.has_prefill_matrix and self.attention.prefill_matrix else []
         try:
             names = {name for choice in choices for name in self.attention.kernel_names(choice)}
         except ValueError as err:
@@ -177,6 +181,13 @@ class LlamaModel:
         """Whether prefill passes run the matmuls' subgroup-matrix builds (RunOptions.prefill_matrix)."""
         return bool(self.run.prefill_matrix) and self.has_prefill_matrix and self.run.fold_norms
 
+    def prefill_attention(self) -> AttentionChoice:
+        """The causal prefill kernel a prefill pass runs: its subgroup-matrix build beside the matmuls'
+        (`runs_prefill_matrix`) where the artifact has one for the shape."""
+        if self.runs_prefill_matrix() and self.attention.prefill_matrix:
+            return PREFILL_ON_MATRICES
+        return AttentionChoice("prefill")
+
     def prefill_matmuls(self, n: int) -> str:
         """Which prefill matmuls a pass of n tokens runs, as the overlay names them ("" for one token)."""
         if n == 1:
@@ -233,8 +244,8 @@ class LlamaModel:
         greedy = sampling is None or sampling.greedy
         start = self.kv.length
         context = start + n  # the last token sees the prefix and every token of the pass
-        # a decode step asks which kernels; a prefill pass always runs the causal prefill kernel
-        choice = self._choose([context]) if n == 1 else AttentionChoice("prefill")
+        # a decode step asks which kernels; a prefill pass runs the causal prefill kernel
+        choice = self._choose([context]) if n == 1 else self.prefill_attention()
         slots = self.kv.reserve(n)
         self.ensure_scratch(n)
         if token_ids is not None:

@@ -1,14 +1,19 @@
-"""The subgroup-matrix prefill matmul's WGSL with its four subgroup-matrix builtins emulated, for
-adapters without them (lavapipe: the tests' adapter).
+"""The subgroup-matrix kernels' WGSL with their subgroup-matrix builtins emulated, for adapters
+without them (lavapipe: the tests' adapter).
 
-kernels.prefill_matmul_matrix uses the builtins in one pattern only: fragments are loaded from the
-x tile (left) and the W tile (right) and multiplied before the next barrier, and results are stored
-into `results`. So a loaded fragment can stand for its (offset, stride) in the tile, and each lane
-of a subgroup of 32 computes the 8 of the 16 x 16 result entries it holds (entry 8 lane + e, row
-major) by 16 scalar FMAs: f16 products in f32, as the hardware's. Everything else (staging, the
-dequantization, the norm, the epilogue, the edges of the grid) is the kernel's own code, so the
-emulated kernel checks all of it against f64; the builtins' own semantics are checked on a GPU that
-has them (chat.lab's prefill matmul check).
+The kernels (kernels.prefill_matmul_matrix, kernels.prefill_attention_matrix) use the builtins in
+a few forms only (kernels.wgsl): f16 left and right fragments loaded from workgroup tiles, f32
+results stored to and loaded from workgroup arrays, multiply-accumulate. Each lane of a subgroup of
+32 stands for the 8 of a 16 x 16 result's entries it holds (entry 8 lane + e, row major: one row,
+half its columns), so:
+- a left fragment is loaded as the lane's row (16 values, in registers, as the hardware's: the tile
+  may be overwritten before it is used);
+- a right fragment stands for (its array, layout, offset, stride), read when it multiplies (every
+  kernel multiplies a right fragment before the next barrier);
+- multiply-accumulate is 16 scalar FMAs a result entry: f16 products in f32, as the hardware's.
+Everything else (staging, dequantization, softmax, the epilogues, the edges of the grid) is the
+kernels' own code, so the emulated kernels check all of it against f64; the builtins' own semantics
+are checked on a GPU that has them (`python -m app bench page --prefill`: chat.prefill_check).
 """
 
 from __future__ import annotations
@@ -18,48 +23,70 @@ import re
 from contract.kernels import MATRIX_FRAGMENT as FRAG, MATRIX_SUBGROUP as LANES
 
 ENTRIES = FRAG * FRAG // LANES  # result entries a lane holds
+LANE = f"tid % {LANES}u"
 
-EMULATION = f"""
-struct Fragment {{ offset: u32, stride: u32 }}
-struct Accumulator {{ v: array<f32, {ENTRIES}> }}
+_LEFT = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>\(&(\w+), ")
+_RIGHT = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, (row_major|col_major)>\(&(\w+), ")
+_RESULT_LOAD = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_result<f32, {FRAG}, {FRAG}>, row_major>\(&(\w+), ")
+_STORE = re.compile(r"subgroupMatrixStore<row_major>\(&(\w+), ")
+_HEADER = re.compile(r"^diagnostic\(off, chromium\.subgroup_matrix_uniformity\);\n", re.M)
+_ENABLE = re.compile(r"^enable chromium_experimental_subgroup_matrix;\n", re.M)
 
-fn multiply_accumulate(lane: u32, left: Fragment, right: Fragment, acc: Accumulator) -> Accumulator {{
+
+def _functions(left_arrays, right_arrays, result_arrays) -> str:
+    rows = f"(lane * {ENTRIES}u + e) / {FRAG}u"
+    columns = f"(lane * {ENTRIES}u + e) % {FRAG}u"
+    out = [f"struct Left {{ v: array<f16, {FRAG}> }}",
+           "struct Right { array_id: u32, col_major: bool, offset: u32, stride: u32 }",
+           f"struct Accumulator {{ v: array<f32, {ENTRIES}> }}"]
+    for array in left_arrays:
+        out.append(f"""fn load_left_{array}(lane: u32, offset: u32, stride: u32) -> Left {{
+  var out : Left;
+  for (var k = 0u; k < {FRAG}u; k = k + 1u) {{ out.v[k] = {array}[offset + (lane * {ENTRIES}u / {FRAG}u) * stride + k]; }}
+  return out;
+}}""")
+    reads = "\n".join(f"  if (r.array_id == {i}u) {{ return f32({array}[at]); }}" for i, array in enumerate(right_arrays))
+    out.append(f"""fn right_value(r: Right, k: u32, n: u32) -> f32 {{
+  let at = r.offset + select(k * r.stride + n, n * r.stride + k, r.col_major);
+{reads}
+  return 0.0f;
+}}
+fn multiply_accumulate(lane: u32, left: Left, right: Right, acc: Accumulator) -> Accumulator {{
   var out = acc;
   for (var e = 0u; e < {ENTRIES}u; e = e + 1u) {{
-    let row = (lane * {ENTRIES}u + e) / {FRAG}u;
-    let column = (lane * {ENTRIES}u + e) % {FRAG}u;
     for (var k = 0u; k < {FRAG}u; k = k + 1u) {{
-      out.v[e] = out.v[e] + f32(x_tile[left.offset + row * left.stride + k])
-                          * f32(w_tile[right.offset + k * right.stride + column]);
+      out.v[e] = out.v[e] + f32(left.v[k]) * right_value(right, k, {columns});
     }}
   }}
   return out;
+}}""")
+    for array in result_arrays:
+        out.append(f"""fn store_{array}(lane: u32, offset: u32, acc: Accumulator, stride: u32) {{
+  for (var e = 0u; e < {ENTRIES}u; e = e + 1u) {{ {array}[offset + {rows} * stride + {columns}] = acc.v[e]; }}
 }}
-
-fn store_results(lane: u32, offset: u32, acc: Accumulator, stride: u32) {{
-  for (var e = 0u; e < {ENTRIES}u; e = e + 1u) {{
-    let row = (lane * {ENTRIES}u + e) / {FRAG}u;
-    let column = (lane * {ENTRIES}u + e) % {FRAG}u;
-    results[offset + row * stride + column] = acc.v[e];
-  }}
-}}
-"""
-
-_REPLACEMENTS = [
-    (re.compile(r"^diagnostic\(off, chromium\.subgroup_matrix_uniformity\);\n", re.M), ""),
-    (re.compile(r"^enable chromium_experimental_subgroup_matrix;\n", re.M), EMULATION),
-    (re.compile(rf"subgroup_matrix_result<f32, {FRAG}, {FRAG}>\(\)"), "Accumulator()"),
-    (re.compile(rf"subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>\(&x_tile, "), "Fragment("),
-    (re.compile(rf"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, row_major>\(&w_tile, "), "Fragment("),
-    (re.compile(r"subgroupMatrixMultiplyAccumulate\("), f"multiply_accumulate(tid % {LANES}u, "),
-    (re.compile(r"subgroupMatrixStore<row_major>\(&results, "), f"store_results(tid % {LANES}u, "),
-]
+fn load_result_{array}(lane: u32, offset: u32, stride: u32) -> Accumulator {{
+  var out : Accumulator;
+  for (var e = 0u; e < {ENTRIES}u; e = e + 1u) {{ out.v[e] = {array}[offset + {rows} * stride + {columns}]; }}
+  return out;
+}}""")
+    return "\n".join(out) + "\n"
 
 
 def emulated(wgsl: str) -> str:
     """`wgsl` with the subgroup-matrix builtins replaced by the emulation; fails if any is left."""
-    for pattern, replacement in _REPLACEMENTS:
-        wgsl, count = pattern.subn(replacement.replace("\\", "\\\\"), wgsl)
-        assert count, f"the kernel no longer has {pattern.pattern!r}: update the emulation"
+    left_arrays = sorted(set(_LEFT.findall(wgsl)))
+    right_arrays = sorted({array for _layout, array in _RIGHT.findall(wgsl)})
+    result_arrays = sorted(set(_STORE.findall(wgsl)) | set(_RESULT_LOAD.findall(wgsl)))
+    assert left_arrays and right_arrays and result_arrays, "no subgroup-matrix builtins the emulation knows"
+    wgsl, count = _HEADER.subn("", wgsl)
+    assert count == 1, "the kernel no longer turns off chromium.subgroup_matrix_uniformity: update the emulation"
+    wgsl, count = _ENABLE.subn(lambda _: _functions(left_arrays, right_arrays, result_arrays), wgsl)
+    assert count == 1
+    wgsl = _LEFT.sub(lambda m: f"load_left_{m[1]}({LANE}, ", wgsl)
+    wgsl = _RIGHT.sub(lambda m: f"Right({right_arrays.index(m[2])}u, {str(m[1] == 'col_major').lower()}, ", wgsl)
+    wgsl = _RESULT_LOAD.sub(lambda m: f"load_result_{m[1]}({LANE}, ", wgsl)
+    wgsl = _STORE.sub(lambda m: f"store_{m[1]}({LANE}, ", wgsl)
+    wgsl = re.sub(rf"subgroup_matrix_result<f32, {FRAG}, {FRAG}>\(\)", "Accumulator()", wgsl)
+    wgsl = wgsl.replace("subgroupMatrixMultiplyAccumulate(", f"multiply_accumulate({LANE}, ")
     assert "subgroupMatrix" not in wgsl and "subgroup_matrix" not in wgsl, "a builtin the emulation does not know"
     return wgsl

@@ -1,7 +1,8 @@
-"""The prefill matmuls' subgroup-matrix builds (kernels.prefill_matmul_matrix): where the loader picks
-them, what the build checks of their WGSL, and the tiny model running them with the builtins
-emulated (tests/matrix_emulation.py: the tests' adapter has no subgroup matrices; a GPU that has
-them runs the page's check, chat.lab.prefill_matmul_check).
+"""The prefill pass on subgroup matrices (kernels.prefill_matmul_matrix, kernels.prefill_attention_matrix):
+where the loader picks the builds, what the build checks of their WGSL, the tiny model running them
+and the page's check of them (chat.prefill_check) with the builtins emulated (tests/matrix_emulation.py:
+the tests' adapter has no subgroup matrices; a GPU that has them runs the same check through
+`python -m app bench page --prefill` or tools/gpu_prefill.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, MatmulSpec, llama_kernels, matrix_roles
-from contract.model import TEST_MODEL_CONFIGS
+from chat.prefill_check import check_prefill_kernels
+from contract.attention import MATRIX_PREFILL
+from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, AttentionSpec, MatmulSpec, llama_kernels, matrix_roles
+from contract.model import MODEL_CONFIGS, TEST_MODEL_CONFIGS
 from kernels.build import build_wgsl_kernel
 from kernels.prefill_matmul_matrix import matrix_matmul
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
@@ -67,12 +70,16 @@ def test_an_artifact_without_the_matrix_builds_is_named(test_library):
 
 
 def test_every_served_model_has_matrix_builds_that_fit_32_kib(library):
-    """The served artifact's matrix builds: the features their WGSL enables, 4 subgroups of 32,
-    within the 32 KiB of workgroup storage the tests' adapter and the H200's both offer."""
-    matrix = [spec for spec in library.specs.values() if "_smx" in spec.name]
-    assert matrix
+    """The served artifact's matrix builds, matmuls and attention for every model shape in f16: the
+    features their WGSL enables (attention's softmax shuffles between a row's two lanes), 4 subgroups
+    of 32, within the 32 KiB of workgroup storage the tests' adapter and the H200's both offer."""
+    matrix = [spec for spec in library.specs.values() if SUBGROUP_MATRIX in spec.features]
+    for config in MODEL_CONFIGS.values():
+        assert AttentionSpec("prefill", config.attention_shape, "float16", tag=MATRIX_PREFILL).name in library.specs
     for spec in matrix:
-        assert spec.features == [SUBGROUP_MATRIX, "shader-f16"], spec.name
+        attention = spec.meta["kind"] == "prefill_attention"
+        assert ("_smx" in spec.name) != attention, spec.name
+        assert spec.features == [SUBGROUP_MATRIX, "shader-f16"] + ["subgroups"] * attention, spec.name
         assert spec.workgroup_size == [128, 1, 1] and spec.workgroup_storage_bytes <= MAX_WORKGROUP_STORAGE
         assert spec.meta["source"] == "wgsl"
 
@@ -140,8 +147,9 @@ class EmulatingLibrary:
 
 def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tiny_dir, tiny_reference):
     """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
-    matrix builds; the logits as close to the f64 reference as the scalar kernels' (their W is f16
-    too); the overlay's prefill rows name the path; a request for the scalar kernels runs them."""
+    matrix builds of the matmuls and of attention; the logits as close to the f64 reference as the
+    scalar kernels' (their W is f16 too); the overlay's prefill rows name the path; a request for the
+    scalar kernels runs them."""
     if not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     with offering_subgroup_matrices(gpu):
@@ -161,7 +169,7 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
         want = tiny_reference.forward(prompt, position)[-1]
         got = logits_of(loop, model)
         assert rel_l2(got, want) < LOGIT_TOLERANCE["float16"], f"turn {turn}: {rel_l2(got, want):.2e}"
-        assert model.stats[-1].kernel == f"prefill · subgroup-matrix matmuls, {tiles} tiles"
+        assert model.stats[-1].kernel == f"prefill (subgroup-matrix) · subgroup-matrix matmuls, {tiles} tiles"
         history += prompt
         assert token == int(np.argmax(got))
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
@@ -174,3 +182,27 @@ def test_a_request_for_matrix_builds_the_model_did_not_load_is_refused(loop, gpu
     assert not model.has_prefill_matrix and model.options.prefill_matrix is False
     with pytest.raises(ModelError, match="prefill_matrix was asked for, but this adapter has no subgroup matrices"):
         loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=True)))
+
+
+def test_the_pages_check_passes_the_emulated_builds_and_catches_a_wrong_one(loop, gpu, test_library,
+                                                                           test_artifact_dir, tiny_dir):
+    """chat.prefill_check (what `bench page --prefill` runs on a GPU with subgroup matrices) checks every
+    prefill build of the tiny f16 model against float64: all pass here, emulated; with the matrix
+    attention's softmax scale broken (the f64 reference must see it), its rows fail and only its."""
+    if not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    with offering_subgroup_matrices(gpu):
+        library = EmulatingLibrary(test_library, test_artifact_dir)
+        model = load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
+                     prefill_matrix=True, warm_up=False)
+    rows = loop.run_until_complete(check_prefill_kernels(model))
+    attention = [r for r in rows if r["role"] == "attention"]
+    assert {r["matrix"] for r in attention} == {False, True} and {r["start"] for r in attention} == {0, 300}
+    assert {(r["role"], r["matrix"]) for r in rows if r["role"] != "attention"} == {
+        (m, matrix) for m in ("norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual") for matrix in (False, True)}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    broken = library.specs[model.attention.prefill_matrix]
+    wgsl = emulated((test_artifact_dir / broken.wgsl).read_text()).replace("podArgs.sm_scale *", "0.9f * podArgs.sm_scale *")
+    library._emulated[broken.name] = loop.run_until_complete(Kernel.compile(gpu, broken, wgsl))
+    rows = loop.run_until_complete(check_prefill_kernels(model))
+    assert {(r["role"], r["matrix"]) for r in rows if not r["ok"]} == {("attention", True)}

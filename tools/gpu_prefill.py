@@ -4,8 +4,8 @@
 After gpu_page.py's `receive` (pieces 1-2; 3-4 too for smollm2) and `gl` steps, on the GPU machine:
   python3 tools/gpu_prefill.py [--models synthetic:llama-3.1-8b,...] [--set blog-f16] [--rounds 2]
 For each model it opens the page (?model=M&hooks=python) and, in the page's Python worker
-(chat.prefill_check): checks every prefill matmul build the model runs against float64, times each
-at full size, runs the prefill benchmark with the subgroup-matrix builds and the scalar kernels in
+(chat.prefill_check): checks every prefill kernel build the model runs (matmuls and attention)
+against float64, times each at full size, runs the prefill benchmark with the subgroup-matrix builds and the scalar kernels in
 turn (`--rounds` times each, alternating), and for real weights compares the two builds' greedy
 replies to the long document. Writes $OUT/prefill-<model>.json and prints a table.
 Standard library only, like gpu_page.py, which it imports from .cr/.
@@ -48,11 +48,11 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
         out["loaded"] = in_page(tab, setup + "json.dumps({'dtype': model.dtype, 'matrix': model.has_prefill_matrix, "
                                 "'why_not': model.prefill_matrix_why_not})", 60)
         print(f"{model}: {json.dumps(out['loaded'])}", flush=True)
-        out["check"] = in_page(tab, "json.dumps(await pc.check_prefill_matmuls(model))", timeout)
+        out["check"] = in_page(tab, "json.dumps(await pc.check_prefill_kernels(model))", timeout)
         for r in out["check"]:
             print(f"  check {r['kernel']:>44} n={r['tokens']:>4}: rel L2 {r['rel_l2']:.2e} {'ok' if r['ok'] else 'WRONG'}",
                   flush=True)
-        out["timed"] = in_page(tab, "json.dumps(await pc.time_prefill_matmuls(model))", timeout)
+        out["timed"] = in_page(tab, "json.dumps(await pc.time_prefill_kernels(model))", timeout)
         for r in out["timed"]:
             print(f"  timed {r['kernel']:>44} {r['shape']:>22}: {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s", flush=True)
         out["bench"] = []

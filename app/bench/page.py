@@ -182,14 +182,14 @@ class PageDriver:
         return {"context": context, "steps": steps, "runs": runs}
 
     def prefill(self, tokens: list[int], rounds: int = 2) -> dict:
-        """The loaded model's prefill matmuls checked against f64 and timed per build, then the prefill
+        """The loaded model's prefill kernels checked against f64 and timed per build, then the prefill
         benchmark (chat.prefill_check) with the subgroup-matrix builds and the scalar kernels in turn."""
         def python(code: str):
             return json.loads(self.tab.evaluate("(code) => window.demo.python(code)", code))
 
         setup = "import json, chat.prefill_check as pc\n"
-        result = {"check": python(setup + "json.dumps(await pc.check_prefill_matmuls(chat.model))"),
-                  "timed": python(setup + "json.dumps(await pc.time_prefill_matmuls(chat.model))"), "runs": []}
+        result = {"check": python(setup + "json.dumps(await pc.check_prefill_kernels(chat.model))"),
+                  "timed": python(setup + "json.dumps(await pc.time_prefill_kernels(chat.model))"), "runs": []}
         builds = (True, False) if python(setup + "json.dumps(chat.model.has_prefill_matrix)") else (False,)
         for _ in range(rounds):
             for matrix in builds:
@@ -266,10 +266,10 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
                      f"{e['python']['encode_median_ms']:.3f} / {e['replay']['encode_median_ms']:.3f} ms (median); "
                      f"ids identical: {e['ids_identical']}"))
     for r in (result.get("prefill") or {}).get("check", []):
-        rows.append((f"prefill check {r['kernel']} ({r['tokens']} tokens)",
+        rows.append((f"prefill check {r['kernel']} ({r['tokens']} tokens{f' after {r['start']}' if r.get('start') else ''})",
                      f"rel L2 {r['rel_l2']:.1e} vs f64 {'ok' if r['ok'] else 'WRONG'}"))
     for r in (result.get("prefill") or {}).get("timed", []):
-        rows.append((f"prefill matmul {r['kernel']} {r['shape']}", f"{r['us']:.1f} us, {r['tflops']:.1f} TFLOP/s"))
+        rows.append((f"prefill {r['role']} {r['kernel']} {r['shape']}", f"{r['us']:.1f} us, {r['tflops']:.1f} TFLOP/s"))
     for run in (result.get("prefill") or {}).get("runs", []):
         for r in run["rows"]:
             rows.append((f"prefill {'matrix' if run['prefill_matrix'] else 'scalar'} {r['turn']} {r['tokens']} tokens",

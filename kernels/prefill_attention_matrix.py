@@ -1,0 +1,203 @@
+"""Causal paged prefill attention on subgroup matrices (the tensor cores), written as WGSL.
+
+The same call as the scalar kernel (kernels.prefill_attention: its buffers, `start`, sm_scale, its
+rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. Written as WGSL
+(kernels.wgsl says why).
+
+    grid (ceil(n * G / ROWS), H_kv); 128 invocations = 4 subgroups of 32
+    row r of a workgroup is (token r // G, head r % G) of its KV head; subgroup s owns rows 16 s .. 16 s + 15
+
+- Q: the workgroup's 64 rows are staged once in workgroup memory and each subgroup keeps its 16 rows
+  as D / 16 left fragments for the whole kernel; O is D / 16 f32 result fragments a subgroup.
+- K/V come in tiles of TILE_KEYS positions, read into registers one tile ahead and staged as f16
+  in padded rows: K transposed ([d][key]), V as it is ([key][d]), so both are row-major right
+  operands (the layout the matmul's fragments are proven on).
+- Softmax: S goes through workgroup memory, where two lanes a row scale it into the log2 domain,
+  mask it above the diagonal and write P = exp2(s - m) as f16 over the K tile (S is done with it). Fragments cannot be scaled
+  row by row, so FlashAttention's rescale of O is lazy: a row's max m moves only when a tile's max
+  passes it by more than RESCALE_AFTER (so P <= 2^8 in between), and only then does the workgroup
+  pass O through workgroup memory, one subgroup at a time, to scale those rows. The first tile
+  (which holds position 0, seen by every row) sets m without one.
+- The end passes O through workgroup memory the same way, divided by the row's denominator.
+
+Workgroup storage: the K and V tiles (the Q stage before them, P over K), each subgroup's S (f32,
+also its O when O passes through), and one factor a row: under 28 KiB at head_dim 128.
+"""
+
+from __future__ import annotations
+
+from contract.kernels import PAGE_SIZE, PREFILL_ATTENTION_BUFFERS
+from kernels.paged_kv import LOG2_E
+from kernels.wgsl import (FRAG, SUBGROUP, WgslKernel, left, matrix_header, result_load, result_store, result_zero,
+                          right)
+
+SUBGROUPS = 4
+THREADS = SUBGROUPS * SUBGROUP
+ROWS = SUBGROUPS * FRAG  # query rows (token, head) a workgroup: one fragment tall a subgroup
+TILE_KEYS = 32  # K/V positions a tile: two fragments wide in S
+PAD = 8  # halves after each staged K/V row
+S_STRIDE = TILE_KEYS + 4  # f32 scores [row][key]
+P_STRIDE = TILE_KEYS + PAD  # f16 probabilities [row][key]
+KT_STRIDE = TILE_KEYS + PAD  # the K tile transposed [d][key]
+LANES_PER_ROW = 2  # softmax lanes a row, each over half the tile's keys
+KEYS_PER_LANE = TILE_KEYS // LANES_PER_ROW
+RESCALE_AFTER = 8.0  # log2 units a row's max may grow by before O is rescaled (P stays <= 256 in f16)
+MASKED = -3.0e38  # a score above the diagonal: exp2 of it less any real max is 0
+VEC = 4  # f16 values a q, K/V or output load (vec4<f16>)
+
+
+def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                             page_size: int = PAGE_SIZE) -> WgslKernel:
+    """The subgroup-matrix causal prefill attention of one shape (see the module docstring)."""
+    H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
+    assert dtype == "float16" and H_qo % H_kv == 0 and D % FRAG == 0 and D <= 128
+    G = H_qo // H_kv
+    cols = D // VEC  # vec4 loads a row
+    kv_stride = D + PAD  # V [key][d] and the Q stage [row][d]
+    v_at = D * KT_STRIDE  # V after K^T in the tile array
+    tile_halves = v_at + TILE_KEYS * kv_stride
+    o_stride = D + 4  # f32 O [row][d] in the scores array, one subgroup's at a time
+    d_frags, key_frags = D // FRAG, TILE_KEYS // FRAG
+    tile_loads = TILE_KEYS * cols // THREADS  # vec4 loads a thread of a tile's K (and as many of V)
+    assert THREADS % cols == 0 and TILE_KEYS * cols % THREADS == 0
+    assert ROWS * kv_stride <= tile_halves and FRAG * o_stride <= SUBGROUPS * FRAG * S_STRIDE
+    assert SUBGROUPS * FRAG * P_STRIDE <= v_at  # P fits over K^T
+    assert TILE_KEYS % page_size == 0 or page_size % TILE_KEYS == 0
+    name = f"prefill_attention_matrix_d{D}_kv{H_kv}_qo{H_qo}"
+
+    buffers = [(buf, "read_write" if buf == "output" else "read", "int32" if buf == "page_ids" else "float16x4",
+                "i32" if buf == "page_ids" else "vec4<f16>") for buf in PREFILL_ATTENTION_BUFFERS]
+    pod = (("n", "i32"), ("start", "i32"), ("sm_scale", "f32"))
+    grid = (["//", ["+", ["*", "n", G], ROWS - 1], ROWS], H_kv)
+
+    lines = matrix_header(buffers, pod, extensions=("subgroups",))
+    lines += [
+        f"var<workgroup> kv_tile : array<f16, {tile_halves}>;  // K^T [d][key] (then P [row][key]), V [key][d]; Q first",
+        f"var<workgroup> scores : array<f32, {SUBGROUPS * FRAG * S_STRIDE}>;  // each subgroup's S [row][key], or one's O",
+        f"var<workgroup> row_factor : array<f32, {ROWS}>;  // a row's O rescale; at the end 1 / its denominator",
+        "var<workgroup> grown : atomic<u32>;  // some row's max moved in this tile",
+        "var<workgroup> rescale : u32;",
+        "",
+        f"@compute @workgroup_size({THREADS}, 1, 1)",
+        f"fn {name}(@builtin(workgroup_id) wid : vec3<u32>, @builtin(local_invocation_index) tid : u32) {{",
+        "  let n = podArgs.n;",
+        "  let start = podArgs.start;",
+        f"  let scale = podArgs.sm_scale * {LOG2_E:.9g}f;  // scores in the log2 domain",
+        "  let kv_head = i32(wid.y);",
+        f"  let row0 = i32(wid.x) * {ROWS};",
+        f"  let subgroup = tid / {SUBGROUP}u;",
+        f"  let lane = tid % {SUBGROUP}u;",
+        "  let kv_len = start + n;",
+        f"  let last_token = min((row0 + {ROWS - 1}) / {G}, n - 1);",
+        f"  let tiles = (start + last_token + {TILE_KEYS}) / {TILE_KEYS};  // through the last row's position",
+        f"  // softmax: this lane's row and which half of a tile's keys",
+        f"  let my_row = subgroup * {FRAG}u + lane / {LANES_PER_ROW}u;",
+        f"  let half = lane % {LANES_PER_ROW}u;",
+        f"  let my_position = start + min((row0 + i32(my_row)) / {G}, n - 1);",
+        "",
+        "  // Q: the 64 rows staged, then each subgroup's as left fragments (rows past the chunk repeat its last token)",
+        f"  for (var e = tid; e < {ROWS * cols}u; e = e + {THREADS}u) {{",
+        f"    let row = row0 + i32(e / {cols}u);",
+        f"    let v = q[u32(min(row / {G}, n - 1) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u];",
+        f"    let at = (e / {cols}u) * {kv_stride}u + (e % {cols}u) * {VEC}u;",
+        "    kv_tile[at] = v.x; kv_tile[at + 1u] = v.y; kv_tile[at + 2u] = v.z; kv_tile[at + 3u] = v.w;",
+        "  }",
+        "  workgroupBarrier();",
+    ]
+    lines += [f"  let q{kk} = " + left("kv_tile", f"subgroup * {FRAG * kv_stride}u + {kk * FRAG}u", f"{kv_stride}u") + ";"
+              for kk in range(d_frags)]
+    lines += [f"  var o{j} = {result_zero()};" for j in range(d_frags)]
+    lines += ["  var m = 0.0f;  // this row's max (set by the first tile), log2 domain",
+              "  var l = 0.0f;  // this lane's part of the row's denominator, relative to m"]
+    lines += [f"  var k{i} : vec4<f16>;" for i in range(tile_loads)]
+    lines += [f"  var v{i} : vec4<f16>;" for i in range(tile_loads)]
+
+    def fetch(tile: str) -> list[str]:
+        """This thread's K and V vectors of a tile, from the pages into registers (positions past the
+        context read the last one: finite, and masked)."""
+        out = []
+        for i in range(tile_loads):
+            out += [f"    {{ let key = {i * THREADS // cols}u + tid / {cols}u;",
+                    f"      let position = min({tile} * {TILE_KEYS} + i32(key), kv_len - 1);",
+                    f"      let row = ((u32(page_ids[position / {page_size}]) * 2u * {H_kv}u + u32(kv_head)) * {page_size}u"
+                    f" + u32(position % {page_size})) * {cols}u + tid % {cols}u;",
+                    f"      k{i} = pages[row];",
+                    f"      v{i} = pages[row + {H_kv * page_size * cols}u]; }}"]
+        return out
+
+    lines += ["  {"] + fetch("0") + ["  }"]
+    lines += ["  for (var t = 0; t < tiles; t = t + 1) {", "    workgroupBarrier();"]
+    for i in range(tile_loads):
+        key, d = f"({i * THREADS // cols}u + tid / {cols}u)", f"(tid % {cols}u) * {VEC}u"
+        lines += [f"    {{ let at = {key} * {kv_stride}u + {d};"]
+        lines += [f"      kv_tile[({d} + {c}u) * {KT_STRIDE}u + {key}] = k{i}.{'xyzw'[c]};" for c in range(VEC)]
+        lines += [f"      kv_tile[{v_at}u + at + {c}u] = v{i}.{'xyzw'[c]};" for c in range(VEC)]
+        lines[-1] += " }"
+    lines += ["    workgroupBarrier();", "    if (t + 1 < tiles) {"] + fetch("(t + 1)") + ["    }"]
+
+    lines += ["    // S = Q K^T, this subgroup's 16 rows x the tile's keys, into workgroup memory"]
+    for j in range(key_frags):
+        lines += [f"    {{ var s = {result_zero()};"]
+        lines += [f"      s = subgroupMatrixMultiplyAccumulate(q{kk}, "
+                  + right("kv_tile", f"{kk * FRAG * KT_STRIDE + j * FRAG}u", f"{KT_STRIDE}u") + ", s);"
+                  for kk in range(d_frags)]
+        lines += ["      " + result_store("scores", f"subgroup * {FRAG * S_STRIDE}u + {j * FRAG}u", "s", f"{S_STRIDE}u") + " }"]
+    lines += ["    workgroupBarrier();",
+              "    // this lane's half of its row: mask, the tile's max, P",
+              f"    let first_key = t * {TILE_KEYS} + i32(half) * {KEYS_PER_LANE};",
+              f"    let s_at = my_row * {S_STRIDE}u + half * {KEYS_PER_LANE}u;"]
+    for i in range(KEYS_PER_LANE):
+        lines += [f"    let s{i} = select({MASKED:.1e}f, scores[s_at + {i}u] * scale, first_key + {i} <= my_position);"]
+    lines += ["    var tile_max = " + "max(" * (KEYS_PER_LANE - 1) + "s0"
+              + "".join(f", s{i})" for i in range(1, KEYS_PER_LANE)) + ";",
+              "    tile_max = max(tile_max, subgroupShuffleXor(tile_max, 1u));",
+              f"    let moves = t == 0 || tile_max > m + {RESCALE_AFTER}f;",
+              "    let m_new = select(m, tile_max, moves);",
+              "    let alpha = select(exp2(m - m_new), 0.0f, t == 0);",
+              "    if (half == 0u) {",
+              "      row_factor[my_row] = alpha;",
+              "      if (moves && t > 0) { atomicOr(&grown, 1u); }",
+              "    }",
+              "    m = m_new;",
+              "    l = l * alpha;",
+              f"    let p_at = my_row * {P_STRIDE}u + half * {KEYS_PER_LANE}u;"]
+    for i in range(KEYS_PER_LANE):
+        lines += [f"    {{ let p = exp2(s{i} - m); kv_tile[p_at + {i}u] = f16(p); l = l + p; }}"]
+    lines += ["    workgroupBarrier();",
+              "    if (tid == 0u) {", "      rescale = atomicLoad(&grown);", "      atomicStore(&grown, 0u);", "    }",
+              "    if (workgroupUniformLoad(&rescale) != 0u) {  // some row's max moved: scale O's rows"]
+    for owner in range(SUBGROUPS):
+        lines += [f"      if (subgroup == {owner}u) {{"]
+        lines += ["        " + result_store("scores", f"{j * FRAG}u", f"o{j}", f"{o_stride}u") for j in range(d_frags)]
+        lines += ["      }", "      workgroupBarrier();",
+                  f"      for (var e = tid; e < {FRAG * D}u; e = e + {THREADS}u) {{",
+                  f"        let at = (e / {D}u) * {o_stride}u + e % {D}u;",
+                  f"        scores[at] = scores[at] * row_factor[{owner * FRAG}u + e / {D}u];",
+                  "      }", "      workgroupBarrier();", f"      if (subgroup == {owner}u) {{"]
+        lines += [f"        o{j} = " + result_load("scores", f"{j * FRAG}u", f"{o_stride}u") + ";" for j in range(d_frags)]
+        lines += ["      }", "      workgroupBarrier();"]
+    lines += ["    }", "    // O += P V"]
+    lines += [f"    let p{kk} = " + left("kv_tile", f"subgroup * {FRAG * P_STRIDE}u + {kk * FRAG}u", f"{P_STRIDE}u") + ";"
+              for kk in range(key_frags)]
+    for j in range(d_frags):
+        lines += [f"    o{j} = subgroupMatrixMultiplyAccumulate(p{kk}, "
+                  + right("kv_tile", f"{v_at + kk * FRAG * kv_stride + j * FRAG}u", f"{kv_stride}u") + f", o{j});"
+                  for kk in range(key_frags)]
+    lines += ["  }", "",
+              "  // the end: each row's denominator, then O / it written one subgroup's rows at a time",
+              "  l = l + subgroupShuffleXor(l, 1u);",
+              "  if (half == 0u) { row_factor[my_row] = 1.0f / l; }"]
+    for owner in range(SUBGROUPS):
+        lines += ["  workgroupBarrier();", f"  if (subgroup == {owner}u) {{"]
+        lines += ["    " + result_store("scores", f"{j * FRAG}u", f"o{j}", f"{o_stride}u") for j in range(d_frags)]
+        lines += ["  }", "  workgroupBarrier();",
+                  f"  for (var e = tid; e < {FRAG * cols}u; e = e + {THREADS}u) {{",
+                  f"    let row = row0 + {owner * FRAG} + i32(e / {cols}u);",
+                  f"    if (row < n * {G}) {{",
+                  f"      let at = (e / {cols}u) * {o_stride}u + (e % {cols}u) * {VEC}u;",
+                  f"      let o = vec4<f32>(scores[at], scores[at + 1u], scores[at + 2u], scores[at + 3u]);",
+                  f"      output[u32((row / {G}) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u] = "
+                  f"vec4<f16>(o * row_factor[{owner * FRAG}u + e / {cols}u]);",
+                  "    }", "  }"]
+    lines.append("}")
+    return WgslKernel("\n".join(lines) + "\n", name, tuple(buffers), pod, (THREADS, 1, 1), grid)
