@@ -51,11 +51,9 @@ def left(array: str, offset: str, stride: str) -> str:
     return f"subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>(&{array}, {offset}, {stride})"
 
 
-def right(array: str, offset: str, stride: str, layout: str = "row_major") -> str:
-    """A right (K x N) f16 fragment: `row_major` (element (k, n) at k * stride + n) or `col_major`
-    (at n * stride + k: a tile of rows read as its transpose)."""
-    return (f"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, {layout}>"
-            f"(&{array}, {offset}, {stride})")
+def right(array: str, offset: str, stride: str) -> str:
+    """A right (K x N) f16 fragment loaded from a row-major workgroup tile (element (k, n) at k * stride + n)."""
+    return f"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, row_major>(&{array}, {offset}, {stride})"
 
 
 def result_zero() -> str:

@@ -8,8 +8,8 @@ results stored to and loaded from workgroup arrays, multiply-accumulate. Each la
 half its columns), so:
 - a left fragment is loaded as the lane's row (16 values, in registers, as the hardware's: the tile
   may be overwritten before it is used);
-- a right fragment stands for (its array, layout, offset, stride), read when it multiplies (every
-  kernel multiplies a right fragment before the next barrier);
+- a right fragment stands for its (offset, stride) in the kernel's one right-operand tile, read when
+  it multiplies (the kernels multiply a right fragment before the next barrier);
 - multiply-accumulate is 16 scalar FMAs a result entry: f16 products in f32, as the hardware's.
 Everything else (staging, dequantization, softmax, the epilogues, the edges of the grid) is the
 kernels' own code, so the emulated kernels check all of it against f64; the builtins' own semantics
@@ -26,7 +26,7 @@ ENTRIES = FRAG * FRAG // LANES  # result entries a lane holds
 LANE = f"tid % {LANES}u"
 
 _LEFT = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_left<f16, {FRAG}, {FRAG}>, row_major>\(&(\w+), ")
-_RIGHT = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, (row_major|col_major)>\(&(\w+), ")
+_RIGHT = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_right<f16, {FRAG}, {FRAG}>, row_major>\(&(\w+), ")
 _RESULT_LOAD = re.compile(rf"subgroupMatrixLoad<subgroup_matrix_result<f32, {FRAG}, {FRAG}>, row_major>\(&(\w+), ")
 _STORE = re.compile(r"subgroupMatrixStore<row_major>\(&(\w+), ")
 _HEADER = re.compile(r"^diagnostic\(off, chromium\.subgroup_matrix_uniformity\);\n", re.M)
@@ -36,8 +36,8 @@ _ENABLE = re.compile(r"^enable chromium_experimental_subgroup_matrix;\n", re.M)
 def _functions(left_arrays, right_arrays, result_arrays) -> str:
     rows = f"(lane * {ENTRIES}u + e) / {FRAG}u"
     columns = f"(lane * {ENTRIES}u + e) % {FRAG}u"
-    out = [f"struct Left {{ v: array<f16, {FRAG}> }}",
-           "struct Right { array_id: u32, col_major: bool, offset: u32, stride: u32 }",
+    out = [f"struct Left {{ v: array<f16, {FRAG}> }}",  # the lane's row
+           "struct Right { offset: u32, stride: u32 }",
            f"struct Accumulator {{ v: array<f32, {ENTRIES}> }}"]
     for array in left_arrays:
         out.append(f"""fn load_left_{array}(lane: u32, offset: u32, stride: u32) -> Left {{
@@ -45,17 +45,13 @@ def _functions(left_arrays, right_arrays, result_arrays) -> str:
   for (var k = 0u; k < {FRAG}u; k = k + 1u) {{ out.v[k] = {array}[offset + (lane * {ENTRIES}u / {FRAG}u) * stride + k]; }}
   return out;
 }}""")
-    reads = "\n".join(f"  if (r.array_id == {i}u) {{ return f32({array}[at]); }}" for i, array in enumerate(right_arrays))
-    out.append(f"""fn right_value(r: Right, k: u32, n: u32) -> f32 {{
-  let at = r.offset + select(k * r.stride + n, n * r.stride + k, r.col_major);
-{reads}
-  return 0.0f;
-}}
-fn multiply_accumulate(lane: u32, left: Left, right: Right, acc: Accumulator) -> Accumulator {{
+    right_array, = right_arrays  # each kernel reads its right operands from one tile
+    out.append(f"""fn multiply_accumulate(lane: u32, left: Left, right: Right, acc: Accumulator) -> Accumulator {{
   var out = acc;
   for (var e = 0u; e < {ENTRIES}u; e = e + 1u) {{
+    let at = right.offset + {columns};
     for (var k = 0u; k < {FRAG}u; k = k + 1u) {{
-      out.v[e] = out.v[e] + f32(left.v[k]) * right_value(right, k, {columns});
+      out.v[e] = out.v[e] + f32(left.v[k]) * f32({right_array}[at + k * right.stride]);
     }}
   }}
   return out;
@@ -75,7 +71,7 @@ fn load_result_{array}(lane: u32, offset: u32, stride: u32) -> Accumulator {{
 def emulated(wgsl: str) -> str:
     """`wgsl` with the subgroup-matrix builtins replaced by the emulation; fails if any is left."""
     left_arrays = sorted(set(_LEFT.findall(wgsl)))
-    right_arrays = sorted({array for _layout, array in _RIGHT.findall(wgsl)})
+    right_arrays = sorted(set(_RIGHT.findall(wgsl)))
     result_arrays = sorted(set(_STORE.findall(wgsl)) | set(_RESULT_LOAD.findall(wgsl)))
     assert left_arrays and right_arrays and result_arrays, "no subgroup-matrix builtins the emulation knows"
     wgsl, count = _HEADER.subn("", wgsl)
@@ -83,7 +79,7 @@ def emulated(wgsl: str) -> str:
     wgsl, count = _ENABLE.subn(lambda _: _functions(left_arrays, right_arrays, result_arrays), wgsl)
     assert count == 1
     wgsl = _LEFT.sub(lambda m: f"load_left_{m[1]}({LANE}, ", wgsl)
-    wgsl = _RIGHT.sub(lambda m: f"Right({right_arrays.index(m[2])}u, {str(m[1] == 'col_major').lower()}, ", wgsl)
+    wgsl = _RIGHT.sub("Right(", wgsl)
     wgsl = _RESULT_LOAD.sub(lambda m: f"load_result_{m[1]}({LANE}, ", wgsl)
     wgsl = _STORE.sub(lambda m: f"store_{m[1]}({LANE}, ", wgsl)
     wgsl = re.sub(rf"subgroup_matrix_result<f32, {FRAG}, {FRAG}>\(\)", "Accumulator()", wgsl)
