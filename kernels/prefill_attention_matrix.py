@@ -8,11 +8,12 @@ rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. 
     row r of a workgroup is (token r // G, head r % G) of its KV head; subgroup s owns rows 16 s .. 16 s + 15
 
 - Q: the workgroup's 64 rows are staged once in workgroup memory and each subgroup keeps its 16 rows
-  as D / 16 left fragments for the whole kernel; O is D / 16 f32 result fragments a subgroup.
+  as D / 16 left fragments (variables: the stage is overwritten) for the whole kernel; O is D / 16 f32 result fragments a subgroup.
 - K/V come in tiles of TILE_KEYS positions, read into registers one tile ahead and staged as f16
   in padded rows: K transposed ([d][key]), V as it is ([key][d]), so both are row-major right
   operands (the layout the matmul's fragments are proven on).
-- Softmax: S goes through workgroup memory, where two lanes a row scale it into the log2 domain,
+- Softmax: S goes through workgroup memory, where two lanes a row (exchanging maxima and sums through
+  it too) scale it into the log2 domain,
   mask it above the diagonal and write P = exp2(s - m) as f16 over the K tile (S is done with it). Fragments cannot be scaled
   row by row, so FlashAttention's rescale of O is lazy: a row's max m moves only when a tile's max
   passes it by more than RESCALE_AFTER (so P <= 2^8 in between), and only then does the workgroup
@@ -70,11 +71,12 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     pod = (("n", "i32"), ("start", "i32"), ("sm_scale", "f32"))
     grid = (["//", ["+", ["*", "n", G], ROWS - 1], ROWS], H_kv)
 
-    lines = matrix_header(buffers, pod, extensions=("subgroups",))
+    lines = matrix_header(buffers, pod)
     lines += [
         f"var<workgroup> kv_tile : array<f16, {tile_halves}>;  // K^T [d][key] (then P [row][key]), V [key][d]; Q first",
         f"var<workgroup> scores : array<f32, {SUBGROUPS * FRAG * S_STRIDE}>;  // each subgroup's S [row][key], or one's O",
         f"var<workgroup> row_factor : array<f32, {ROWS}>;  // a row's O rescale; at the end 1 / its denominator",
+        f"var<workgroup> lane_value : array<f32, {THREADS}>;  // what a row's two lanes exchange",
         "var<workgroup> grown : atomic<u32>;  // some row's max moved in this tile",
         "var<workgroup> rescale : u32;",
         "",
@@ -104,7 +106,7 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         "  }",
         "  workgroupBarrier();",
     ]
-    lines += [f"  let q{kk} = " + left("kv_tile", f"subgroup * {FRAG * kv_stride}u + {kk * FRAG}u", f"{kv_stride}u") + ";"
+    lines += [f"  var q{kk} = " + left("kv_tile", f"subgroup * {FRAG * kv_stride}u + {kk * FRAG}u", f"{kv_stride}u") + ";"
               for kk in range(d_frags)]
     lines += [f"  var o{j} = {result_zero()};" for j in range(d_frags)]
     lines += ["  var m = 0.0f;  // this row's max (set by the first tile), log2 domain",
@@ -150,7 +152,9 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         lines += [f"    let s{i} = select({MASKED:.1e}f, scores[s_at + {i}u] * scale, first_key + {i} <= my_position);"]
     lines += ["    var tile_max = " + "max(" * (KEYS_PER_LANE - 1) + "s0"
               + "".join(f", s{i})" for i in range(1, KEYS_PER_LANE)) + ";",
-              "    tile_max = max(tile_max, subgroupShuffleXor(tile_max, 1u));",
+              "    lane_value[tid] = tile_max;",
+              "    workgroupBarrier();",
+              "    tile_max = max(tile_max, lane_value[tid ^ 1u]);  // the row's other half",
               f"    let moves = t == 0 || tile_max > m + {RESCALE_AFTER}f;",
               "    let m_new = select(m, tile_max, moves);",
               "    let alpha = select(exp2(m - m_new), 0.0f, t == 0);",
@@ -185,7 +189,9 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                   for kk in range(key_frags)]
     lines += ["  }", "",
               "  // the end: each row's denominator, then O / it written one subgroup's rows at a time",
-              "  l = l + subgroupShuffleXor(l, 1u);",
+              "  lane_value[tid] = l;",
+              "  workgroupBarrier();",
+              "  l = l + lane_value[tid ^ 1u];",
               "  if (half == 0u) { row_factor[my_row] = 1.0f / l; }"]
     for owner in range(SUBGROUPS):
         lines += ["  workgroupBarrier();", f"  if (subgroup == {owner}u) {{"]

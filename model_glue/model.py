@@ -182,9 +182,10 @@ class LlamaModel:
         return bool(self.run.prefill_matrix) and self.has_prefill_matrix and self.run.fold_norms
 
     def prefill_attention(self) -> AttentionChoice:
-        """The causal prefill kernel a prefill pass runs: its subgroup-matrix build beside the matmuls'
-        (`runs_prefill_matrix`) where the artifact has one for the shape."""
-        if self.runs_prefill_matrix() and self.attention.prefill_matrix:
+        """The causal prefill kernel a prefill pass runs: its subgroup-matrix build where asked for
+        (RunOptions.prefill_attention_matrix), beside the matmuls' (`runs_prefill_matrix`), and the
+        artifact has one for the shape."""
+        if self.run.prefill_attention_matrix and self.runs_prefill_matrix() and self.attention.prefill_matrix:
             return PREFILL_ON_MATRICES
         return AttentionChoice("prefill")
 

@@ -87,6 +87,11 @@ class RunOptions:
     # folded norms). None: wherever loaded; True: required (an error where they were not loaded, with
     # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
     prefill_matrix: bool | None = None
+    # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix) beside those
+    # matmuls. Off unless asked for: its first builds failed the page's float64 check on the H200
+    # (docs/benchmarks.md) and this one has not yet run on a GPU with subgroup matrices; the check
+    # (chat.prefill_check) runs it either way.
+    prefill_attention_matrix: bool = False
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -107,11 +112,11 @@ class RunOptions:
                                                       or self.time_attention_every < 0):
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
-        if not isinstance(self.replay, bool) or any(getattr(self, f) not in (None, True, False)
+        if not isinstance(self.replay, bool) or not isinstance(self.prefill_attention_matrix, bool) or any(getattr(self, f) not in (None, True, False)
                                                     for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups",
                                                               "matmul_int8_x", "prefill_matrix")):
-            raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups, matmul_int8_x and "
-                             "prefill_matrix are true or false")
+            raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups, matmul_int8_x, "
+                             "prefill_matrix and prefill_attention_matrix are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -142,6 +147,7 @@ class RunOptions:
                 raise ModelError(f"{load_time} is chosen when the model loads ({getattr(self, load_time)}); "
                                  f"load it again for {getattr(request, load_time)}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
+                       prefill_attention_matrix=request.prefill_attention_matrix,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o",
                                                     "prefill_matrix") if getattr(request, f) is not None})
 

@@ -71,7 +71,7 @@ def test_an_artifact_without_the_matrix_builds_is_named(test_library):
 
 def test_every_served_model_has_matrix_builds_that_fit_32_kib(library):
     """The served artifact's matrix builds, matmuls and attention for every model shape in f16: the
-    features their WGSL enables (attention's softmax shuffles between a row's two lanes), 4 subgroups
+    features their WGSL enables, 4 subgroups
     of 32, within the 32 KiB of workgroup storage the tests' adapter and the H200's both offer."""
     matrix = [spec for spec in library.specs.values() if SUBGROUP_MATRIX in spec.features]
     for config in MODEL_CONFIGS.values():
@@ -79,7 +79,7 @@ def test_every_served_model_has_matrix_builds_that_fit_32_kib(library):
     for spec in matrix:
         attention = spec.meta["kind"] == "prefill_attention"
         assert ("_smx" in spec.name) != attention, spec.name
-        assert spec.features == [SUBGROUP_MATRIX, "shader-f16"] + ["subgroups"] * attention, spec.name
+        assert spec.features == [SUBGROUP_MATRIX, "shader-f16"], spec.name
         assert spec.workgroup_size == [128, 1, 1] and spec.workgroup_storage_bytes <= MAX_WORKGROUP_STORAGE
         assert spec.meta["source"] == "wgsl"
 
@@ -147,7 +147,7 @@ class EmulatingLibrary:
 
 def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tiny_dir, tiny_reference):
     """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
-    matrix builds of the matmuls and of attention; the logits as close to the f64 reference as the
+    matrix builds of the matmuls and (asked for) of attention; the logits as close to the f64 reference as the
     scalar kernels' (their W is f16 too); the overlay's prefill rows name the path; a request for the
     scalar kernels runs them."""
     if not gpu.has_f16:
@@ -155,7 +155,7 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
     with offering_subgroup_matrices(gpu):
         library = EmulatingLibrary(test_library, test_artifact_dir)
         model = load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
-                     prefill_matrix=True)
+                     prefill_matrix=True, prefill_attention_matrix=True)
     assert model.has_prefill_matrix and model.options.prefill_matrix is True
     assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
         matrix_roles(llama_kernels(TINY, "float16")))
@@ -172,6 +172,10 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
         assert model.stats[-1].kernel == f"prefill (subgroup-matrix) · subgroup-matrix matmuls, {tiles} tiles"
         history += prompt
         assert token == int(np.argmax(got))
+    # the matrix attention only where asked for (RunOptions.prefill_attention_matrix), then no matrix build
+    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_attention_matrix=False)))
+    loop.run_until_complete(model.forward([5, 6, 7]))
+    assert model.stats[-1].kernel == "prefill · subgroup-matrix matmuls, 32-token tiles"
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · scalar matmuls, 32-token tiles"

@@ -181,9 +181,10 @@ class PageDriver:
                                     "gap_mean_ms": sum(gaps) / len(gaps) if gaps else None})
         return {"context": context, "steps": steps, "runs": runs}
 
-    def prefill(self, tokens: list[int], rounds: int = 2) -> dict:
+    def prefill(self, tokens: list[int], rounds: int = 2, document: str | None = None) -> dict:
         """The loaded model's prefill kernels checked against f64 and timed per build, then the prefill
-        benchmark (chat.prefill_check) with the subgroup-matrix builds and the scalar kernels in turn."""
+        benchmark (chat.prefill_check) with the subgroup-matrix builds and the scalar kernels in turn,
+        and with a `document` (real weights) both paths' greedy replies to it."""
         def python(code: str):
             return json.loads(self.tab.evaluate("(code) => window.demo.python(code)", code))
 
@@ -195,6 +196,8 @@ class PageDriver:
             for matrix in builds:
                 result["runs"].append(python(setup + f"json.dumps(await pc.prefill_benchmark(chat.model, "
                                                      f"tokens={tuple(tokens)!r}, matrix={matrix}))"))
+        if document and len(builds) == 2:
+            result["agreement"] = python(setup + f"json.dumps(await pc.matrix_agreement(chat, {json.dumps(document)}))")
         return result
 
     def lab(self, contexts: list[int] | None, iters: int | None) -> dict:
@@ -270,6 +273,12 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
                      f"rel L2 {r['rel_l2']:.1e} vs f64 {'ok' if r['ok'] else 'WRONG'}"))
     for r in (result.get("prefill") or {}).get("timed", []):
         rows.append((f"prefill {r['role']} {r['kernel']} {r['shape']}", f"{r['us']:.1f} us, {r['tflops']:.1f} TFLOP/s"))
+    agreement = (result.get("prefill") or {}).get("agreement")
+    if agreement:
+        rows.append((f"prefill matrix vs scalar, greedy reply to the long document ({agreement['tokens']} tokens)",
+                     "identical" if agreement["identical"] else
+                     f"first divergence at token {agreement['first_divergence']}, teacher-forced "
+                     f"{agreement['teacher_forced']}/{agreement['tokens']}"))
     for run in (result.get("prefill") or {}).get("runs", []):
         for r in run["rows"]:
             rows.append((f"prefill {'matrix' if run['prefill_matrix'] else 'scalar'} {r['turn']} {r['tokens']} tokens",
@@ -355,7 +364,8 @@ def run_page_bench(args) -> dict:
                 if args.depths:
                     result["depths"] = page.depth_sweep(args.depth_steps, args.depth_context, args.depths)
                 if args.prefill:
-                    result["prefill"] = page.prefill(args.prefill)
+                    result["prefill"] = page.prefill(args.prefill, document=None if model.startswith("synthetic")
+                                                     else document)
                 result["long_tasks"] = page.long_tasks()
             finally:
                 context.close()
