@@ -145,17 +145,23 @@ class EmulatingLibrary:
         return self.library.names(**meta)
 
 
+def tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir, **options):
+    """The tiny model in f16 on the test artifact's matrix builds, emulated (skips without shader-f16)."""
+    if not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    with offering_subgroup_matrices(gpu):
+        library = EmulatingLibrary(test_library, test_artifact_dir)
+        return load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
+                    prefill_matrix=True, **options)
+
+
 def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tiny_dir, tiny_reference):
     """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
     matrix builds of the matmuls and (asked for) of attention; the logits as close to the f64 reference as the
     scalar kernels' (their W is f16 too); the overlay's prefill rows name the path; a request for the
     scalar kernels runs them."""
-    if not gpu.has_f16:
-        pytest.skip("adapter has no shader-f16")
-    with offering_subgroup_matrices(gpu):
-        library = EmulatingLibrary(test_library, test_artifact_dir)
-        model = load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
-                     prefill_matrix=True, prefill_attention_matrix=True)
+    model = tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir,
+                                      prefill_attention_matrix=True)
     assert model.has_prefill_matrix and model.options.prefill_matrix is True
     assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
         matrix_roles(llama_kernels(TINY, "float16")))
@@ -193,12 +199,8 @@ def test_the_pages_check_passes_the_emulated_builds_and_catches_a_wrong_one(loop
     """chat.prefill_check (what `bench page --prefill` runs on a GPU with subgroup matrices) checks every
     prefill build of the tiny f16 model against float64: all pass here, emulated; with the matrix
     attention's softmax scale broken (the f64 reference must see it), its rows fail and only its."""
-    if not gpu.has_f16:
-        pytest.skip("adapter has no shader-f16")
-    with offering_subgroup_matrices(gpu):
-        library = EmulatingLibrary(test_library, test_artifact_dir)
-        model = load(loop, gpu, library, tiny_dir, "float16", fold_norms=True, matmul_subgroups=False,
-                     prefill_matrix=True, warm_up=False)
+    model = tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir, warm_up=False)
+    library = model.library
     rows = loop.run_until_complete(check_prefill_kernels(model))
     attention = [r for r in rows if r["role"] == "attention"]
     assert {r["matrix"] for r in attention} == {False, True} and {r["start"] for r in attention} == {0, 300}
