@@ -8,21 +8,26 @@ rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. 
     row r of a workgroup is (token r // G, head r % G) of its KV head; subgroup s owns rows 16 s .. 16 s + 15
 
 - Q: the workgroup's 64 rows are staged once in workgroup memory and each subgroup keeps its 16 rows
-  as D / 16 left fragments (variables: the stage is overwritten) for the whole kernel; O is D / 16 f32 result fragments a subgroup.
+  as D / 16 left fragments (variables: the stage is overwritten) for the whole kernel; O is D / 16
+  f32 result fragments a subgroup.
 - K/V come in tiles of TILE_KEYS positions, read into registers one tile ahead and staged as f16
   in padded rows: K transposed ([d][key]), V as it is ([key][d]), so both are row-major right
   operands (the layout the matmul's fragments are proven on).
-- Softmax: S goes through workgroup memory, where two lanes a row (exchanging maxima and sums through
-  it too) scale it into the log2 domain,
-  mask it above the diagonal and write P = exp2(s - m) as f16 over the K tile (S is done with it). Fragments cannot be scaled
-  row by row, so FlashAttention's rescale of O is lazy: a row's max m moves only when a tile's max
-  passes it by more than RESCALE_AFTER (so P <= 2^8 in between), and only then does the workgroup
-  pass O through workgroup memory, one subgroup at a time, to scale those rows. The first tile
-  (which holds position 0, seen by every row) sets m without one.
+- Softmax: S goes through workgroup memory, where two lanes a row (exchanging their maxima and sums
+  through it too) scale it into the log2 domain, mask it above the diagonal and write
+  P = exp2(s - m) as f16 over the K tile (S is done with it).
+- Fragments cannot be scaled row by row, so FlashAttention's rescale of O is lazy: a row's max m
+  moves only when a tile's max passes it by more than RESCALE_AFTER (so P <= 2^8 in between), and
+  only then does the workgroup pass O through workgroup memory, one subgroup at a time, to scale
+  those rows. The first tile (which holds position 0, seen by every row) sets m without one.
 - The end passes O through workgroup memory the same way, divided by the row's denominator.
 
+Not yet verified on a GPU with subgroup matrices (docs/benchmarks.md), so the runtime runs it only
+where asked for (RunOptions.prefill_attention_matrix).
+
 Workgroup storage: the K and V tiles (the Q stage before them, P over K), each subgroup's S (f32,
-also its O when O passes through), and one factor a row: under 28 KiB at head_dim 128.
+also its O when O passes through), one factor and one exchanged value a row: under 29 KiB at
+head_dim 128.
 """
 
 from __future__ import annotations
