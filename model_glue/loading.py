@@ -158,6 +158,8 @@ class _Loader:
                            self.specs, self.attention, options,
                            prefill_matrix_why_not=why_no_prefill_matrix(self.library, self.config, self.dtype,
                                                                         self.device, options.fold_norms))
+        if options.prefill_attention_matrix:
+            model.check_prefill_attention_matrix(options)
         await asyncio.gather(model.compile_roles(options.fold_norms), model.compile_attention())  # concurrently
         if options.warm_up:
             progress("binding the passes")

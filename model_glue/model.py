@@ -123,12 +123,15 @@ class LlamaModel:
         choices = [AttentionChoice("tiled"), AttentionChoice("sharded", layout, 1)]
         choices += [AttentionChoice("sharded", layout, 2)] if split else []
         choices += [AttentionChoice("prefill")] if self.attention.prefill else []
-        choices += [PREFILL_ON_MATRICES] if self.has_prefill_matrix and self.attention.prefill_matrix else []
+        choices += [PREFILL_ON_MATRICES] if self.run.prefill_attention_matrix else []
         try:
             names = {name for choice in choices for name in self.attention.kernel_names(choice)}
         except ValueError as err:
             raise ModelError(str(err)) from err
-        wanted = sorted(names - set(self._attention_compiled))
+        await self._compile_attention_kernels(names)
+
+    async def _compile_attention_kernels(self, names) -> None:
+        wanted = sorted(set(names) - set(self._attention_compiled))
         self._attention_compiled.update(zip(wanted, await self.library.kernels(wanted)))  # concurrently
 
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
@@ -144,6 +147,9 @@ class LlamaModel:
         run = self.options.merged(request)
         if run.prefill_matrix and not self.has_prefill_matrix:
             raise ModelError(f"prefill_matrix was asked for, but {self.prefill_matrix_why_not or 'it was not loaded'}")
+        if run.prefill_attention_matrix:
+            self.check_prefill_attention_matrix(run)
+            await self._compile_attention_kernels(self.attention.kernel_names(PREFILL_ON_MATRICES))
         await self.compile_roles(run.fold_norms, sampling is None or sampling.greedy)
         if run.layout is not None:
             try:
@@ -180,6 +186,17 @@ class LlamaModel:
     def runs_prefill_matrix(self) -> bool:
         """Whether prefill passes run the matmuls' subgroup-matrix builds (RunOptions.prefill_matrix)."""
         return bool(self.run.prefill_matrix) and self.has_prefill_matrix and self.run.fold_norms
+
+    def check_prefill_attention_matrix(self, run: RunOptions) -> None:
+        """A ModelError where RunOptions.prefill_attention_matrix asks for what cannot run: it runs
+        only beside the prefill matmuls' subgroup-matrix builds, where the artifact has it."""
+        why = (f"the prefill matmuls' subgroup-matrix builds do not run ({self.prefill_matrix_why_not or 'not loaded'})"
+               if not self.has_prefill_matrix else
+               "it runs only beside the subgroup-matrix matmuls (prefill_matrix is false)" if run.prefill_matrix is False
+               else None if self.attention.prefill_matrix else
+               f"the kernel artifact has no subgroup-matrix prefill attention for {self.config.attention_shape}")
+        if why:
+            raise ModelError(f"prefill_attention_matrix was asked for, but {why}")
 
     def prefill_attention(self) -> AttentionChoice:
         """The causal prefill kernel a prefill pass runs: its subgroup-matrix build where asked for

@@ -88,9 +88,8 @@ class RunOptions:
     # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
     prefill_matrix: bool | None = None
     # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix) beside those
-    # matmuls. Off unless asked for: its first builds failed the page's float64 check on the H200
-    # (docs/benchmarks.md) and this one has not yet run on a GPU with subgroup matrices; the check
-    # (chat.prefill_check) runs it either way.
+    # matmuls (an error where they do not run). Off unless asked for: it is not yet verified on a GPU
+    # with subgroup matrices (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
     prefill_attention_matrix: bool = False
 
     def __post_init__(self):

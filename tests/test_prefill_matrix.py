@@ -182,7 +182,10 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_attention_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · subgroup-matrix matmuls, 32-token tiles"
-    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
+    with pytest.raises(ModelError, match="it runs only beside the subgroup-matrix matmuls"):
+        loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
+    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False,
+                                                          prefill_attention_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · scalar matmuls, 32-token tiles"
 
@@ -192,6 +195,8 @@ def test_a_request_for_matrix_builds_the_model_did_not_load_is_refused(loop, gpu
     assert not model.has_prefill_matrix and model.options.prefill_matrix is False
     with pytest.raises(ModelError, match="prefill_matrix was asked for, but this adapter has no subgroup matrices"):
         loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=True)))
+    with pytest.raises(ModelError, match="prefill_attention_matrix was asked for, but the prefill matmuls'"):
+        loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_attention_matrix=True)))
 
 
 def test_the_pages_check_passes_the_emulated_builds_and_catches_a_wrong_one(loop, gpu, test_library,
