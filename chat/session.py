@@ -6,8 +6,10 @@ Runs unchanged in the page (Pyodide, through chat.page) and in the native CLI (`
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
+from array import array
 from dataclasses import replace
 
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
@@ -155,7 +157,7 @@ class ChatSession:
         return result
 
     async def _run(self, ids, max_new_tokens, options, on_text, on_step=None, on_prefill=None, *,
-                   sampling=GREEDY, reuse_cache=False, forced_ids=None, started=None) -> dict:
+                   sampling=GREEDY, reuse_cache=False, forced_ids=None, on_logits=None, started=None) -> dict:
         started = time.perf_counter() if started is None else started
         self._stop_requested = False
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
@@ -175,7 +177,8 @@ class ChatSession:
 
         gen = await generate(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids,
                              options=options, sampling=sampling, reuse_cache=reuse_cache, forced_ids=forced_ids,
-                             on_token=on_token, on_prefill=on_prefill, should_stop=lambda: self._stop_requested)
+                             on_token=on_token, on_prefill=on_prefill, on_logits=on_logits,
+                             should_stop=lambda: self._stop_requested)
         tail = decoder.flush()
         if tail:
             pieces.append(tail)
@@ -193,7 +196,9 @@ class ChatSession:
         Each nest prefills the whole prompt (no cache reuse, so their timings are comparable).
         Teacher-forced agreement feeds the sharded nest the tiled run's tokens and counts how often
         its top-1 equals the tiled token; while the texts are identical the sharded run already was
-        fed those tokens, so the extra run happens only after a divergence. The conversation so far
+        fed those tokens, so the extra run happens only after a divergence. At each miss it reads
+        both runs' logits (`forced_misses`): the sharded run's in that extra run, the tiled run's in
+        a repeat of it fed its own tokens up to the last miss. The conversation so far
         is the context; the compared replies are not added to it. Unlike a chat turn (one decode
         step in RunOptions.time_attention_every), every decode step times its attention: the
         comparison's curves are its point, and its tokens/s carry the per-layer passes' cost. And a
@@ -205,23 +210,100 @@ class ChatSession:
         for nest in NESTS:
             if on_progress is not None:
                 on_progress(nest)
-            runs[nest] = await self._run(ids, max_new_tokens, replace(options or RunOptions(), attention=nest,
-                                                                      time_attention_every=1, merge_in_o=False), None)
+            runs[nest] = await self._run(ids, max_new_tokens, self._compared(options, nest), None)
         a, b = runs["tiled"]["token_ids"], runs["sharded"]["token_ids"]
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if first is None and len(a) != len(b):
             first = min(len(a), len(b))
-        forced = b
+        forced, misses, repeated = b, [], None
         if first is not None and a:
-            if on_progress is not None:
-                on_progress("sharded, fed the tiled tokens,")
-            forced = (await self._run(ids, len(a), replace(options or RunOptions(), attention="sharded"), None,
-                                      forced_ids=a))["token_ids"]
+            forced, misses, repeated = await self.forced_misses(ids, a, options, on_progress)
         matches = sum(x == y for x, y in zip(a, forced))
         return {"runs": runs, "first_divergence": first, "identical": first is None,
                 "teacher_forced": {"steps": len(a), "matches": matches,
-                                   "match_rate": matches / len(a) if a else None},
+                                   "match_rate": matches / len(a) if a else None,
+                                   "misses": misses, "near_tie_logits": NEAR_TIE_LOGITS,
+                                   "tiled_repeated": repeated},
                 "past_switch": attention_past_switch(runs)}
+
+    @staticmethod
+    def _compared(options: RunOptions | None, nest: str) -> RunOptions:
+        """A comparison run's options: the nest forced, every step's attention timed, a split call's
+        merge in its own dispatch."""
+        return replace(options or RunOptions(), attention=nest, time_attention_every=1, merge_in_o=False)
+
+    async def forced_misses(self, ids: list[int], tiled: list[int], options: RunOptions | None,
+                            on_progress=None) -> tuple[list[int], list[dict], bool | None]:
+        """The sharded nest fed the tiled run's tokens: its predictions, and at each one that
+        misses the tiled token both runs' figures there (`miss_figures`). The tiled run's logits
+        come from a repeat of it fed its own tokens up to the last miss. Reading a step's logits
+        needs it alone in flight, so both runs go one step at a time; logits come back only at
+        misses. Also returns whether the repeat picked the tiled run's tokens again (None: no miss,
+        no repeat)."""
+        sharded_rows: dict[int, bytes] = {}
+
+        async def keep_sharded_miss(index: int, token_id: int) -> None:
+            if token_id != tiled[index]:
+                sharded_rows[index] = await self.model.read_logits()
+
+        if on_progress is not None:
+            on_progress("sharded, fed the tiled tokens,")
+        forced = (await self._run(ids, len(tiled), replace(options or RunOptions(), attention="sharded"), None,
+                                  forced_ids=tiled, on_logits=keep_sharded_miss))["token_ids"]
+        if not sharded_rows:
+            return forced, [], None
+        misses: list[dict] = []
+
+        async def figure_miss(index: int, token_id: int) -> None:
+            if index in sharded_rows:
+                misses.append(miss_figures(index, tiled[index], forced[index], await self.model.read_logits(),
+                                           sharded_rows.pop(index)))
+
+        if on_progress is not None:
+            on_progress("tiled, again for its logits at the misses,")
+        last = max(sharded_rows) + 1
+        repeat = (await self._run(ids, last, self._compared(options, "tiled"), None, forced_ids=tiled[:last],
+                                  on_logits=figure_miss))["token_ids"]
+        return forced, misses, repeat == tiled[:len(repeat)]  # a stop ends the repeat early, not differently
+
+
+# A teacher-forced miss is a near-tie when in each run the other run's pick is within this many logits
+# of its own (at least e^-0.5 = 61% as likely; docs/benchmarks.md has the misses it was set from).
+NEAR_TIE_LOGITS = 0.5
+
+
+def logits_row(raw: bytes) -> array:
+    """A logits buffer's raw f32 bytes as floats."""
+    row = array("f")
+    row.frombytes(raw)
+    return row
+
+
+def pick_figures(row: array, pick: int, other: int) -> dict:
+    """One run's logits where the two runs' picks differ: its top-1 minus top-2 logit (`margin`), how
+    far its own pick led the other run's (`lead`), and the other pick's rank in it (2: its runner-up)."""
+    best = max(row)
+    at = row.index(best)
+    second = max(max(row[:at], default=-math.inf), max(row[at + 1:], default=-math.inf))
+    return {"margin": best - second, "lead": row[pick] - row[other],
+            "other_rank": 1 + sum(map(row[other].__lt__, row))}  # values above the other pick (in C)
+
+
+def miss_figures(step: int, tiled_id: int, sharded_id: int, tiled_raw: bytes, sharded_raw: bytes) -> dict:
+    """A teacher-forced miss at generated token `step`: each run's figures (`pick_figures`), the two
+    runs' logits' relative L2 difference there, and whether it is a near-tie (`is_near_tie`)."""
+    tiled_row, sharded_row = logits_row(tiled_raw), logits_row(sharded_raw)
+    tiled = pick_figures(tiled_row, tiled_id, sharded_id)
+    sharded = pick_figures(sharded_row, sharded_id, tiled_id)
+    zeros = array("f", bytes(len(tiled_raw)))
+    rel_l2 = math.dist(tiled_row, sharded_row) / (math.dist(tiled_row, zeros) or 1.0)
+    return {"step": step, "tiled_id": tiled_id, "sharded_id": sharded_id, "tiled": tiled, "sharded": sharded,
+            "logits_rel_l2": rel_l2, "near_tie": is_near_tie(tiled, sharded)}
+
+
+def is_near_tie(tiled: dict, sharded: dict) -> bool:
+    """Each run's pick within NEAR_TIE_LOGITS of the other run's pick."""
+    return max(tiled["lead"], sharded["lead"]) <= NEAR_TIE_LOGITS
 
 
 def speed_figures(gen: Generation, ttft_ms: float | None) -> dict:

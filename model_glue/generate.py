@@ -78,7 +78,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=(),
                    options: RunOptions | None = None, sampling: Sampling = GREEDY, reuse_cache: bool = False,
-                   forced_ids=None, on_token=None, on_prefill=None, should_stop=lambda: False) -> Generation:
+                   forced_ids=None, on_token=None, on_prefill=None, on_logits=None,
+                   should_stop=lambda: False) -> Generation:
     """Prefill the prompt (in chunks), then one decode step per token, each token chosen by
     `sampling` (greedy by default; a seeded sampling run is reproducible). `options` (default: the
     model's) say how the passes run: the attention nest, a forced layout, replay, chunk size.
@@ -90,6 +91,9 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
     `on_prefill(done, total)` reports prompt tokens prefilled so far. With `forced_ids`
     (teacher forcing) step i is fed forced_ids[i - 1] instead of its own prediction, and the run
     makes exactly len(forced_ids) predictions; `token_ids` holds the predictions.
+    `on_logits(index, token_id)` is awaited after each prediction while the model's logits buffer
+    (LlamaModel.read_logits) still holds the logits it came from; decode steps then run one at a
+    time, not pipelined (the next step would overwrite them).
     """
     started = time.perf_counter()
     result = Generation()
@@ -112,7 +116,7 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
     result.reused_tokens, result.prefill_tokens = keep, len(prompt_ids) - keep
     try:
         await _run_generation(model, prompt_ids[keep:], result, max_new_tokens, stop_ids, sampling, draws,
-                              forced_ids, on_token, on_prefill, should_stop, started)
+                              forced_ids, on_token, on_prefill, on_logits, should_stop, started)
     except BaseException:
         model.reset()  # a pass that failed midway leaves the cache's contents unknown
         raise
@@ -121,7 +125,7 @@ async def generate(model: LlamaModel, prompt_ids: list[int], *, max_new_tokens: 
 
 
 async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, sampling, draws, forced_ids,
-                          on_token, on_prefill, should_stop, started) -> None:
+                          on_token, on_prefill, on_logits, should_stop, started) -> None:
     def draw() -> float:
         return 0.0 if draws is None else draws.random()
 
@@ -165,11 +169,13 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, samp
     # Pipelined: up to `pipeline_depth` steps are in flight, so the GPU works through the next ones
     # while the host waits for an id, reports it and encodes another step. A stop found in an id
     # read back discards the steps already submitted after it; nothing of them remains.
-    depth = model.run.pipeline_depth
+    depth = 1 if on_logits is not None else model.run.pipeline_depth
     in_flight: deque = deque()
     while True:
         result.token_ids.append(next_id)
         result.decode_ms = (time.perf_counter() - decode_started) * 1e3
+        if on_logits is not None:  # nothing is in flight: the logits buffer is this prediction's
+            await on_logits(len(result.token_ids) - 1, next_id)
         if on_token is not None:
             await on_token(next_id)
         if forced_ids is None and next_id in stop_ids:

@@ -1,11 +1,14 @@
 """Multi-turn KV reuse (natively, wgpu/lavapipe): a new turn prefills only what the cache lacks,
-and its logits equal both the numpy reference and a full re-prefill's."""
+and its logits equal both the numpy reference and a full re-prefill's. Also the comparison's
+teacher-forced misses, read from both runs' logits."""
+
+from array import array
 
 import numpy as np
 import pytest
 from conftest import STATIC
 
-from chat.session import ChatSession
+from chat.session import NEAR_TIE_LOGITS, ChatSession, is_near_tie, pick_figures
 from convert.weights import load_artifact_weights, write_random_artifact
 from model_glue.artifact import folder_readers
 from contract.model import TEST_MODEL_CONFIGS
@@ -14,6 +17,7 @@ from model_glue.generate import generate
 from model_glue.loading import load_model
 from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
+from page_hooks import break_sharded_nest, mend_sharded_nest
 from test_model import LOGIT_TOLERANCE, logits_of, rel_l2
 
 TINY_VOCAB = TEST_MODEL_CONFIGS["tiny_llama"].vocab_size
@@ -130,4 +134,40 @@ def test_a_context_full_error_resets_the_cache(loop, tiny_chat):
     with pytest.raises(ModelError, match="exceeds the context of 512 tokens. Start a new chat"):
         loop.run_until_complete(chat.reply("Tell me more.", max_new_tokens=500))
     assert chat.model.cached_ids == [] and chat.model.kv.length == 0
+    chat.reset()
+
+
+# -- the comparison's teacher-forced misses -------------------------------------------------------
+def test_pick_figures_and_near_ties():
+    """A run's figures where the picks differ: its top-1 minus top-2 logit, how far its pick led the
+    other's, where it ranks the other's; a near-tie needs both runs' leads within NEAR_TIE_LOGITS."""
+    row = array("f", [0.5, 3.0, 2.75, -1.0, 2.875])
+    assert pick_figures(row, 1, 2) == {"margin": 0.125, "lead": 0.25, "other_rank": 3}
+    assert pick_figures(row, 1, 4) == {"margin": 0.125, "lead": 0.125, "other_rank": 2}
+    close = {"margin": NEAR_TIE_LOGITS / 2, "lead": NEAR_TIE_LOGITS / 2, "other_rank": 2}
+    far = {"margin": 0.01, "lead": 2 * NEAR_TIE_LOGITS, "other_rank": 40}
+    assert is_near_tie(close, close) and not is_near_tie(close, far) and not is_near_tie(far, close)
+
+
+def test_a_comparison_reads_both_runs_logits_at_each_teacher_forced_miss(loop, tiny_chat):
+    """A sharded nest made wrong on purpose (the final norm's weights scaled unevenly in its runs
+    only): every teacher-forced miss carries both runs' figures from the logits the GPU computed, and
+    misses this large are no near-ties. The tiled run, repeated for its logits, picks its tokens again."""
+    chat = tiny_chat
+    chat.reset()
+    loop.run_until_complete(break_sharded_nest(chat))
+    try:
+        result = loop.run_until_complete(chat.compare("Hello there.", max_new_tokens=6))
+    finally:
+        mend_sharded_nest(chat)
+    forced, tiled = result["teacher_forced"], result["runs"]["tiled"]["token_ids"]
+    misses = forced["misses"]
+    assert not result["identical"] and misses and len(misses) == forced["steps"] - forced["matches"]
+    assert forced["tiled_repeated"] is True and forced["near_tie_logits"] == NEAR_TIE_LOGITS
+    for miss in misses:
+        assert miss["tiled_id"] == tiled[miss["step"]] != miss["sharded_id"]
+        for run in ("tiled", "sharded"):
+            figures = miss[run]
+            assert figures["lead"] >= figures["margin"] > 0 and figures["other_rank"] >= 2, miss
+        assert miss["logits_rel_l2"] > 0.1 and not miss["near_tie"], miss
     chat.reset()

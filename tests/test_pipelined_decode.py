@@ -2,6 +2,8 @@
 step t's id is read back. Its ids, cache and stats must equal a plain one-step-at-a-time loop's,
 and a stop (stop token, user stop) must leave no trace of the steps that were already submitted."""
 
+from array import array
+
 import pytest
 
 from convert.weights import write_random_artifact
@@ -34,6 +36,22 @@ def one_step_at_a_time(loop, model, prompt, steps):
     for _ in range(steps):
         ids.append(loop.run_until_complete(model.forward([ids[-1]])))
     return ids
+
+
+def test_on_logits_sees_each_predictions_own_logits(loop, tiny):
+    """generate's on_logits hook (the comparison's margins at teacher-forced misses): each prediction
+    is the argmax of the logits the hook reads, so no later step has overwritten them, and the ids
+    equal the pipelined run's."""
+    argmaxes = []
+
+    async def read(index, token_id):
+        row = array("f", await tiny.read_logits())
+        argmaxes.append((index, token_id, row.index(max(row))))
+
+    want = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12)).token_ids
+    got = loop.run_until_complete(generate(tiny, PROMPT, max_new_tokens=12, on_logits=read)).token_ids
+    assert got == want and [(i, t) for i, t, _ in argmaxes] == list(enumerate(got))
+    assert all(token_id == best for _, token_id, best in argmaxes), argmaxes
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, MAX_PIPELINE_DEPTH])

@@ -8,7 +8,8 @@ Playwright (headless), and drives the page as a user does, reading what it repor
 - a short prompt as a chat turn: TTFT, decode tok/s, median step and GPU ms of its decode steps;
 - the long document (static/long_document.txt, the page's Long document button) as a chat turn;
 - Compare nests on the long document: identical text or the first divergence, the teacher-forced
-  agreement, the median attention time of each nest past the switch and their ratio;
+  agreement and its misses' margins (near-ties or not), the median attention time of each nest past
+  the switch and their ratio;
 - the host's time to encode a decode step, Python through Pyodide's proxies against the recorded
   passes replayed by one call into JS (chat.page.decode_encode_benchmark);
 - main-thread long tasks over the visit.
@@ -254,6 +255,12 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
                      "identical greedy text" if c["identical"] else f"first divergence at token {c['first_divergence']}"))
         forced = c["teacher_forced"]
         rows.append(("  teacher-forced agreement", f"{forced['matches']}/{forced['steps']}"))
+        misses = forced.get("misses") or []
+        if misses:
+            margins = [m["sharded"]["margin"] for m in misses]
+            rows.append(("  teacher-forced misses", f"{sum(m['near_tie'] for m in misses)} of {len(misses)} near-ties "
+                                                    f"(within {forced['near_tie_logits']} logit); sharded margins "
+                                                    f"{min(margins):.3g}-{max(margins):.3g}"))
         past = c["past_switch"]
         med = past["median_attention_ms"]
         ratio = "-" if past["speedup"] is None else f"{past['speedup']:.2f}x"
