@@ -2,7 +2,7 @@
 // the work in the worker (app.python, static/python.js; chat/page.py returns JSON; chat/api.py
 // declares each call); what streams in is drawn once per animation frame.
 import { COLORS, drawSteps } from "./charts.js";
-import { clearRuns, recordRun } from "./export.js";
+import { clearRuns, recordComparison, recordRun } from "./export.js";
 import { chatError, deviceLost, errorText } from "./faults.js";
 import { clearOverlay, drawOverlayNow, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
 import { DEFAULT_MAX_NEW_TOKENS, STOPPED_IN_PREFILL, SWITCH_AT } from "./page_api.js";
@@ -176,9 +176,10 @@ async function compareNests(app) {
     showComparison(series);
     const n = state.replies.filter((r) => r.reply.startsWith("compare")).length / 2 + 1;
     for (const nest of Object.keys(result.runs)) recordRun(`compare ${n} ${nest}`, result.runs[nest]);
-    state.lastCompare = { identical: result.identical, first_divergence: result.first_divergence,
+    state.lastCompare = { model: state.model.name, identical: result.identical, first_divergence: result.first_divergence,
       teacher_forced: result.teacher_forced, past_switch: result.past_switch,
       prompt_tokens: result.runs.tiled.prompt_tokens };
+    recordComparison({ label: `compare ${n}`, ...state.lastCompare });
   } catch (err) {
     chatError(`Comparison failed: ${errorText(err)}`);
   } finally {
@@ -198,8 +199,51 @@ function showCompareFigures(result) {
       ? "; this adapter has no GPU timestamps" : "")
     : `tiled ${fmt(med.tiled, 3)} ms, sharded ${fmt(med.sharded, 3)} ms: ${past.speedup.toFixed(2)}x faster ` +
       `(median over ${past.steps.sharded} steps)`;
+  const misses = forced.misses;
   definitionList($("compare-figures"), [["prompt", `${result.runs.tiled.prompt_tokens} tokens`],
-    ["teacher-forced agreement", agreement], [`attention past ${switchAt} tokens`, speedup]]);
+    ["teacher-forced agreement", agreement],
+    ...(misses.length ? [["teacher-forced misses", missesText(forced), misses.every((m) => m.near_tie) ? "" : "wrong"]] : []),
+    [`attention past ${switchAt} tokens`, speedup]]);
+}
+
+// A logit difference: two significant digits below 1, two decimals above.
+const logits = (value) => (Math.abs(value) >= 1 ? value.toFixed(2) : value.toPrecision(2));
+const percent = (fraction) => (fraction >= 0.1 ? (100 * fraction).toFixed(0) : (100 * fraction).toPrecision(2));
+
+function span(values, format = logits) {
+  const low = Math.min(...values), high = Math.max(...values);
+  return low === high ? format(low) : `${format(low)}-${format(high)}`;
+}
+
+const ordinal = (n) => `${n}${n % 100 >= 11 && n % 100 <= 13 ? "th" : ["th", "st", "nd", "rd"][n % 10] || "th"}`;
+
+// One run's figures at a miss: its top-1 minus top-2 logit, and where it put the other run's pick
+// when that was not its runner-up.
+function runFigures(run, nest, other) {
+  return `${nest} margin ${logits(run.margin)}` +
+    (run.other_rank === 2 ? "" : ` (the ${other} pick ${ordinal(run.other_rank)}, ${logits(run.lead)} behind)`);
+}
+
+// The teacher-forced misses in a line. A near-tie (each run's pick within near_tie_logits of the
+// other run's) shows its margins: the sharded run's (the run checked), then the tiled run's. Any
+// other miss is shown as such, by its figures and how far apart the two runs' logits were there.
+export function missesText(forced) {
+  const { misses, near_tie_logits: tie } = forced;
+  const ties = misses.filter((m) => m.near_tie), others = misses.filter((m) => !m.near_tie);
+  const count = (n, one, many) => `${n} ${n === 1 ? one : many}`;
+  const margins = (list) => `margins ${span(list.map((m) => m.sharded.margin))} ` +
+    `(the tiled run's: ${span(list.map((m) => m.tiled.margin))})`;
+  const repeat = forced.tiled_repeated === false
+    ? " The tiled run, repeated for its logits, picked other tokens: its figures are the repeat's." : "";
+  const head = count(misses.length, "miss", "misses");
+  if (!others.length) return `${head}, ${misses.length === 1 ? "a near-tie" : "all near-ties"}: ${margins(ties)}.${repeat}`;
+  const which = others.length === misses.length ? (misses.length === 1 ? "not a near-tie" : "no near-ties")
+    : `${count(others.length, "not a near-tie", "not near-ties")}`;
+  const shown = others.slice(0, 3).map((m) => `token ${m.step}: ${runFigures(m.sharded, "sharded", "tiled")} / ` +
+    `${runFigures(m.tiled, "tiled", "sharded")}`).join("; ") + (others.length > 3 ? `; ${others.length - 3} more in the export` : "");
+  return `${head}, ${which} (a pick leads the other run's by more than ${tie} logit; the two runs' logits ` +
+    `${span(others.map((m) => m.logits_rel_l2), percent)}% apart there, relative L2): ${shown}.` +
+    (ties.length ? ` ${count(ties.length, "near-tie", "near-ties")}: ${margins(ties)}.` : "") + repeat;
 }
 
 export async function fillLongDocument() {

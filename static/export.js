@@ -1,18 +1,19 @@
-// The per-step timings of the conversation, downloaded as CSV or JSON for analysis elsewhere.
+// The per-step timings of the conversation, downloaded as CSV or JSON for analysis elsewhere. Every
+// row names the model that ran it (a GGUF opened mid-conversation runs the replies after it).
 import { STEP_FIELDS } from "./page_api.js";
 import { $, state } from "./ui.js";
 
-// The reply's label, then StepStats' fields (model_glue/step_stats.py, through chat/api.py).
-export const STEP_COLUMNS = ["reply", ...STEP_FIELDS];
+// The model's name and the reply's label, then StepStats' fields (model_glue/step_stats.py, through chat/api.py).
+export const STEP_COLUMNS = ["model", "reply", ...STEP_FIELDS];
 
 function csvField(value) {
   const text = value === null || value === undefined ? "" : String(value);
   return /[",\n]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
 }
 
-// replies: [{reply, speed, stats: [StepStats as a dict]}]
+// replies: [{model, reply, speed, stats: [StepStats as a dict]}]
 export function stepRows(replies) {
-  return replies.flatMap((r) => r.stats.map((s) => ({ reply: r.reply, ...s })));
+  return replies.flatMap((r) => r.stats.map((s) => ({ model: r.model, reply: r.reply, ...s })));
 }
 
 export function stepsCsv(replies) {
@@ -21,10 +22,11 @@ export function stepsCsv(replies) {
   return lines.join("\n") + "\n";
 }
 
-export function stepsJson(replies, about) {
+// `comparisons`: each comparison's verdict and teacher-forced agreement, its misses' margins too.
+export function stepsJson(replies, comparisons, about) {
   return JSON.stringify({ ...about, exported_at: new Date().toISOString(),
-    replies: replies.map(({ reply, speed, seed, stop_reason }) => ({ reply, speed, seed, stop_reason })),
-    steps: stepRows(replies) }, null, 1);
+    replies: replies.map(({ model, reply, speed, seed, stop_reason }) => ({ model, reply, speed, seed, stop_reason })),
+    comparisons, steps: stepRows(replies) }, null, 1);
 }
 
 export function download(filename, text, type) {
@@ -37,15 +39,22 @@ export function download(filename, text, type) {
 
 // -- the page's export buttons --------------------------------------------------------------------
 
-// A finished reply (or comparison run): its speed and full step table go into the export.
+// A finished reply (or comparison run): the model that ran it, its speed and full step table go
+// into the export.
 export function recordRun(label, result) {
-  state.replies.push({ reply: label, speed: result.speed, seed: result.seed ?? null,
+  state.replies.push({ model: state.model.name, reply: label, speed: result.speed, seed: result.seed ?? null,
     stop_reason: result.stop_reason, stats: result.stats });
   $("export-csv").disabled = false; $("export-json").disabled = false;
 }
 
+// A finished comparison (chat_view.js lastCompare): the JSON export keeps it.
+export function recordComparison(comparison) {
+  state.comparisons.push(comparison);
+}
+
 export function clearRuns() {
   state.replies = [];
+  state.comparisons = [];
   $("export-csv").disabled = true; $("export-json").disabled = true;
 }
 
@@ -53,5 +62,5 @@ export function clearRuns() {
 export function exportSteps(format, about) {
   const stamp = new Date().toISOString().replace(/[:.]/g, "-");
   if (format === "csv") download(`decode-steps-${stamp}.csv`, stepsCsv(state.replies), "text/csv");
-  else download(`decode-steps-${stamp}.json`, stepsJson(state.replies, about), "application/json");
+  else download(`decode-steps-${stamp}.json`, stepsJson(state.replies, state.comparisons, about), "application/json");
 }

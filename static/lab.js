@@ -6,7 +6,8 @@ import { errorText } from "./faults.js";
 import { SWITCH_AT } from "./page_api.js";
 import { $, fmt, state } from "./ui.js";
 
-const COLUMNS = ["shape", "context", "nest", "ran", "us", "step_ms", "layers", "kv_gb_s", "tiled_over_sharded",
+// The model loaded when the lab ran (its name; the JSON has the whole state.model), then the row's fields.
+const COLUMNS = ["model", "shape", "context", "nest", "ran", "us", "step_ms", "layers", "kv_gb_s", "tiled_over_sharded",
   "seed_ratio", "rel_l2", "ok", "error"];
 
 function cell(row, text, className) {
@@ -55,7 +56,8 @@ function csv(rows) {
 function exportLab(format) {
   const result = state.lab;
   const stamp = new Date().toISOString().replace(/[:.]/g, "-");
-  if (format === "csv") download(`kernel-lab-${stamp}.csv`, csv(result.rows), "text/csv");
+  const rows = result.rows.map((r) => ({ model: result.model.name, ...r }));
+  if (format === "csv") download(`kernel-lab-${stamp}.csv`, csv(rows), "text/csv");
   else download(`kernel-lab-${stamp}.json`, JSON.stringify({ ...result, browser: navigator.userAgent,
     exported_at: new Date().toISOString() }, null, 1), "application/json");
 }
@@ -75,7 +77,7 @@ async function runLab(app) {
       $("lab-status").textContent = `running… ${rows.length} rows`;
     } }));
     if (result.error) { $("lab-status").textContent = result.error; return; }
-    state.lab = { ...result, browser: navigator.userAgent };
+    state.lab = { ...result, browser: navigator.userAgent, model: state.model };
     drawLab(result.rows);
     const wrong = result.rows.filter((r) => !r.ok).length;
     $("lab-status").textContent = `${result.rows.length} rows in ${result.seconds.toFixed(1)} s, ${result.dtype}, ` +

@@ -4,7 +4,7 @@
 // call returns JSON); this thread only keeps the DOM, so it never waits on Python: chat_view.js
 // (the chat and the comparison), overlay.js (timings), export.js, faults.js (errors, a lost
 // device, long tasks), weights_cache.js, lab.js.
-import { compare, fillLongDocument, finishReply, addMessage, newChat, send, setBusy, stopRunning, TextStream } from "./chat_view.js";
+import { compare, fillLongDocument, finishReply, addMessage, missesText, newChat, send, setBusy, stopRunning, TextStream } from "./chat_view.js";
 import { exportSteps } from "./export.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
@@ -13,7 +13,7 @@ import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
 import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels } from "./weights_cache.js";
 
-window.demoUI = { finishReply, addMessage, TextStream };  // for the page tests
+window.demoUI = { finishReply, addMessage, missesText, TextStream };  // for the page tests
 const params = new URLSearchParams(location.search);
 // ?context=N asks for a KV cache of N tokens (the page shows what the model applied).
 const REQUESTED_CONTEXT = Number(params.get("context") || 4096);
@@ -25,6 +25,9 @@ const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:
 const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
   : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
   : MODEL;  // an artifact: its manifest says what it was made from (artifactLabel)
+// The model's name in the header and the title, the status line and the exports: an artifact by its
+// name (artifactLabel), a synthetic model by its shape, a GGUF by its file name and shape (openGguf).
+const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
 // ?warm=on: bounded GPU work while the user types, to raise the clocks for the reply to come. Off by
 // default: on the H200 streaming work before a reply made its decode slower, not faster (docs/benchmarks.md).
 const WARM = params.get("warm") === "on";
@@ -41,6 +44,18 @@ function showConstants() {
   $("lab-iters").max = LAB_MAX_ITERS;
 }
 showConstants();
+
+// The model this page runs, named everywhere the page says what it runs (state.model: the exports'
+// too). `model`: {name, kind: "artifact" | "synthetic" | "gguf" | "none", shape, layers, ...}.
+function nameModel(model) {
+  state.model = model;
+  $("model-name").textContent = model.name;  // a file's name is text, never HTML
+  document.title = `${model.name} on WebGPU — sharded decode attention, Python in the browser`;
+}
+
+// What the URL asks for, named before the model loads (loadChat names what loaded).
+nameModel(params.get("model") === "off" ? { name: "Kernels only (no model)", kind: "none" }
+  : { name: SYNTHETIC_SHAPE ? SYNTHETIC_NAME : MODEL_LABEL, kind: SYNTHETIC_SHAPE ? "synthetic" : "artifact" });
 
 // -- the status list ------------------------------------------------------------------------------
 function step(text) {
@@ -103,6 +118,7 @@ async function loadChat(python) {
       shape: SYNTHETIC_SHAPE, tokenizerBase: new URL("./artifacts/smollm2", location.href).href,
       options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
     }, { progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
+    nameModel({ name: SYNTHETIC_NAME, kind: "synthetic", shape: state.info.config, layers: state.info.layers });
     return;
   }
   const base = new URL(`./artifacts/${MODEL}`, location.href).href;
@@ -114,8 +130,8 @@ async function loadChat(python) {
   if (!manifest.weights_sha256) {
     throw new Error(`the ${MODEL} artifact predates this page (no weights_sha256); run \`make setup\` on the server`);
   }
-  state.modelLabel = artifactLabel(manifest);
-  step(`${state.modelLabel}: weights (${MiB(manifest.total_bytes)} MiB)…`);
+  const name = artifactLabel(manifest);
+  step(`${name}: weights (${MiB(manifest.total_bytes)} MiB)…`);
   const bar = $("load-bar"), label = $("load-text");
   $("load-progress").hidden = false;
   const stages = { cache: "reading from the browser cache", download: "downloading", verify: "checking sha256" };
@@ -126,14 +142,15 @@ async function loadChat(python) {
   const fetched = async (weights) => {  // before Python reads them
     $("load-progress").hidden = true;
     state.weights = weights;
-    step(`${state.modelLabel}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
+    step(`${name}: weights ${weights.source === "cache" ? "from the browser cache" : "downloaded"}` +
          `${weights.dropped ? " (the cached copy did not match its sha256 and was replaced)" : ""}…`);
     await showCache();
   };
   state.info = JSON.parse(await python.call("openChat", {
     base, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
     weights: { url: `${base}/${manifest.weights_file}`, sha256: manifest.weights_sha256, bytes: manifest.total_bytes },
-  }, { weights: showWeights, fetched, progress: (message) => step(`${state.modelLabel}: ${message}…`) }));
+  }, { weights: showWeights, fetched, progress: (message) => step(`${name}: ${message}…`) }));
+  nameModel({ name, kind: "artifact", artifact: MODEL, shape: state.info.config, layers: state.info.layers });
 }
 
 // A button per GGUF the browser's cache keeps (python_worker.js keepGguf).
@@ -203,10 +220,8 @@ async function openGguf(app, file, cached = null) {
     const info = JSON.parse(cached ? await app.python.call("openCachedGguf", { key: cached.key, options }, progress)
       : await app.python.call("openGgufChat", { file, options }, progress));
     state.info = info;
-    state.modelLabel = name;
-    const ready = `${name} (${info.config} kernels, ${info.layers} layers, ${info.chat_template} chat template), ` +
-      `${info.dtype === "float16" ? "f16" : "f32"} kernels, context up to ${info.options.max_context} tokens, ` +
-      `prefill on ${info.prefill_matmuls}`;
+    nameModel({ name: ggufName(name, info), kind: "gguf", file: name, shape: info.config, layers: info.layers });
+    const ready = readyText(info);
     step(`Ready: ${ready}.`);
     finishSteps(`ready: ${ready} (click for the loading steps)`);
     $("error").hidden = true;
@@ -232,6 +247,17 @@ async function openGguf(app, file, cached = null) {
   }
 }
 
+// A GGUF by its file name and the shape it runs as.
+function ggufName(file, info) {
+  return `${file} (${info.config} shape, ${info.layers} ${info.layers === 1 ? "layer" : "layers"})`;
+}
+
+// The status line once a model is ready: its name, chat template, kernels, context and prefill.
+function readyText(info) {
+  return `${state.model.name}, ${info.chat_template} chat template, ${info.dtype === "float16" ? "f16" : "f32"} ` +
+    `kernels, context up to ${info.options.max_context} tokens, prefill on ${info.prefill_matmuls}`;
+}
+
 // With ?warm=on, while the user types (or fills in the long document), bounded GPU work is meant to
 // raise the clocks before the reply (chat/page.py warm_gpu). At most one warm at a time,
 // WARM_GAP_SECONDS apart; a reply stops it (chat_view.js beginTurn).
@@ -246,10 +272,10 @@ function warmClocks(app) {
     .finally(() => { state.warming = false; });
 }
 
-// What an exported JSON belongs to.
+// What an exported JSON belongs to: the model loaded now (each reply names its own: export.js).
 function exportAbout() {
   const device = state.device;
-  return { model: state.modelLabel || MODEL_LABEL, adapter: device.adapter, backend: device.backend, dtype: state.info.dtype,
+  return { model: state.model, adapter: device.adapter, backend: device.backend, dtype: state.info.dtype,
     max_context: state.info.options.max_context, switch_at: SWITCH_AT };
 }
 
@@ -286,10 +312,7 @@ async function boot() {
   step(`Loading ${MODEL_LABEL}…`);
   await loadChat(python);
   await setUpLab(app);
-  const template = state.modelLabel && state.modelLabel.includes("converted from")
-    ? `, ${state.info.chat_template} chat template` : "";  // the file's own, as a GGUF opened directly shows it
-  const ready = `${state.modelLabel || MODEL_LABEL}${template}, ${state.info.dtype === "float16" ? "f16" : "f32"} ` +
-    `kernels, context up to ${state.info.options.max_context} tokens, prefill on ${state.info.prefill_matmuls}`;
+  const ready = readyText(state.info);
   step(`Ready: ${ready}.`);
   finishSteps(`ready: ${ready} (click for the loading steps)`);
   $("chat-panel").hidden = false;

@@ -6,17 +6,20 @@ export const $ = (id) => document.getElementById(id);
 // steps: this conversation's live per-step stats (the overlay); replies: every finished reply or
 // comparison run with its speed figures and complete step table (the export); info: the loaded
 // model's applied options and dtype (chat.page.chat_info; the runtime's constants are in page_api.js).
+// model: what the page runs (main.js nameModel); comparisons: every finished comparison (the JSON export).
 export const state = window.demoState = { ready: false, chatReady: false, busy: false, steps: [], replies: [],
-  deviceLost: null, longTasks: [], info: null };
+  comparisons: [], deviceLost: null, longTasks: [], info: null, model: null };
 
 export const fmt = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
 export const MiB = (bytes) => (bytes / 2 ** 20).toFixed(1);
 
+// rows: [term, text] or [term, text, class of the text]
 export function definitionList(dl, rows) {
   dl.replaceChildren();
-  for (const [k, v] of rows) {
+  for (const [k, v, className] of rows) {
     const dt = document.createElement("dt"); dt.textContent = k;
     const dd = document.createElement("dd"); dd.textContent = v;
+    if (className) dd.className = className;
     dl.append(dt, dd);
   }
 }

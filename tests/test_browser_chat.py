@@ -41,6 +41,16 @@ def send(tab, text, max_tokens):
     tab.click("#send")
 
 
+def test_the_page_names_the_artifact_it_runs(chat_page):
+    """The header, the title and the status line name the artifact, as its manifest says (random weights)."""
+    tab = chat_page
+    assert tab.inner_text("header h1") == "tiny_chat (random weights) in your browser"
+    assert tab.title().startswith("tiny_chat (random weights) on WebGPU")
+    assert tab.inner_text("#status-summary").startswith("ready: tiny_chat (random weights), chatml chat template")
+    assert tab.evaluate("window.demoState.model") == {"name": "tiny_chat (random weights)", "kind": "artifact",
+                                                      "artifact": "tiny_chat", "shape": "tiny_chat", "layers": 2}
+
+
 def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
     tab = chat_page
     send(tab, "What is the capital of France?", 8)
@@ -74,6 +84,55 @@ def test_compare_mode_shows_both_nests(chat_page):
     assert result["identical"] and result["first_divergence"] is None
     assert tab.inner_text("#compare-verdict") == "Identical greedy text."
     assert tab.inner_text("#compare-tiled") == tab.inner_text("#compare-sharded")
+
+
+# A reply of random weights can be one token repeated with no break opportunity (one pushed the page to
+# 1,825 px wide): 2,000 characters of it in both comparison boxes and in a chat bubble.
+UNBROKEN = "token" * 400
+
+
+def test_unbroken_text_wraps_in_the_comparison_and_the_chat(chat_page):
+    tab = chat_page
+    assert len(UNBROKEN) == 2000
+    widths = tab.evaluate("""(text) => {
+        const panel = document.getElementById("compare-panel"), hidden = panel.hidden;
+        panel.hidden = false;
+        const boxes = [document.getElementById("compare-tiled"), document.getElementById("compare-sharded")];
+        const kept = boxes.map((box) => box.textContent);
+        for (const box of boxes) box.textContent = text;
+        const bubbles = [window.demoUI.addMessage("user", text), window.demoUI.addMessage("assistant", text)];
+        const seen = { page: document.documentElement.scrollWidth, viewport: window.innerWidth,
+            boxes: [...boxes, ...bubbles].map((el) => [el.scrollWidth, el.clientWidth]) };
+        boxes.forEach((box, i) => { box.textContent = kept[i]; });
+        for (const bubble of bubbles) bubble.remove();
+        panel.hidden = hidden;
+        return seen;
+    }""", UNBROKEN)
+    assert widths["page"] <= widths["viewport"], widths
+    assert all(scroll <= client for scroll, client in widths["boxes"]), widths
+
+
+def miss(step, sharded, tiled, rel_l2=0.004, near_tie=True):
+    """A teacher-forced miss as chat.session.miss_figures makes it: (margin, lead, other_rank) per run."""
+    figures = lambda f: dict(zip(("margin", "lead", "other_rank"), f))  # noqa: E731
+    return {"step": step, "tiled_id": 1, "sharded_id": 2, "sharded": figures(sharded), "tiled": figures(tiled),
+            "logits_rel_l2": rel_l2, "near_tie": near_tie}
+
+
+def test_teacher_forced_misses_read_as_near_ties_or_not(chat_page):
+    """The comparison's line on its misses: near-ties by their margins, any other miss as such."""
+    text = lambda misses: chat_page.evaluate(  # noqa: E731
+        "(misses) => window.demoUI.missesText({misses, near_tie_logits: 0.5, tiled_repeated: true})", misses)
+    ties = [miss(6, (0.144, 0.144, 2), (0.038, 0.038, 2)), miss(9, (0.01, 0.01, 2), (0.2, 0.3, 3))]
+    assert text(ties[:1]) == "1 miss, a near-tie: margins 0.14 (the tiled run's: 0.038)."
+    assert text(ties) == "2 misses, all near-ties: margins 0.010-0.14 (the tiled run's: 0.038-0.20)."
+    large = [miss(1, (0.169, 0.169, 2), (25.6, 25.6, 2), 0.199, False), miss(4, (0.678, 13.4, 9), (4.54, 7.75, 6), 0.178, False)]
+    assert text(large + ties[:1]) == (
+        "3 misses, 2 not near-ties (a pick leads the other run's by more than 0.5 logit; the two runs' logits "
+        "18-20% apart there, relative L2): token 1: sharded margin 0.17 / tiled margin 25.60; token 4: sharded "
+        "margin 0.68 (the tiled pick 9th, 13.40 behind) / tiled margin 4.54 (the sharded pick 6th, 7.75 behind). "
+        "1 near-tie: margins 0.14 (the tiled run's: 0.038).")
+    assert text(large[:1]).startswith("1 miss, not a near-tie (")
 
 
 def test_bad_input_is_refused_and_nothing_is_lost(chat_page):

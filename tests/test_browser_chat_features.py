@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, open_page, run_comparison
+from page_hooks import install_page_hooks
 
 pytestmark = pytest.mark.browser
 LOAD_TIMEOUT_MS = 300_000
@@ -100,20 +101,47 @@ def test_turns_reuse_the_cache_and_show_their_speed(tab):
     assert third["speed"]["reused_tokens"] == 0  # New chat emptied the cache
 
 
+def compare_with_a_broken_sharded_nest(tab, tokens: int) -> dict:
+    """A comparison whose sharded runs are wrong on purpose (page_hooks.break_sharded_nest)."""
+    install_page_hooks(tab)
+    tab.evaluate("window.demo.python('await break_sharded_nest(chat)')")
+    try:
+        return run_comparison(tab, tokens, REPLY_TIMEOUT_MS, prompt="Compare me.")
+    finally:
+        tab.evaluate("window.demo.python('mend_sharded_nest(chat)')")
+
+
 def test_steps_export_as_csv_and_json(tab):
+    """The export names the model; a comparison's teacher-forced misses come with both runs' margins,
+    on the page, in lastCompare and in the JSON export (a sharded nest made wrong: no near-ties)."""
     tab.click("#new-chat")
     send(tab, "Count to three.", 5)
+    compared = compare_with_a_broken_sharded_nest(tab, 3)
+    misses = compared["teacher_forced"]["misses"]
+    assert misses and all(not m["near_tie"] and m["sharded"]["margin"] > 0 and m["tiled"]["margin"] > 0
+                          for m in misses), compared
+    assert compared["model"] == "tiny_chat (random weights)"
+    figures = tab.inner_text("#compare-figures")
+    assert f"teacher-forced misses\n{len(misses)} miss" in figures and "no near-tie" in figures, figures
+    assert tab.locator("#compare-figures dd.wrong").count() == 1
     replies = tab.evaluate("window.demoState.replies")
     steps = sum(len(r["stats"]) for r in replies)
     with tab.expect_download() as info:
         tab.click("#export-csv")
     lines = Path(info.value.path()).read_text().splitlines()
-    assert lines[0] == "reply,kind,tokens,context,nest,kernel,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,dispatches,wait_ms,gpu_gap_ms"
-    assert len(lines) == 1 + steps and lines[1].startswith("chat 1,prefill,")
+    assert lines[0] == ("model,reply,kind,tokens,context,nest,kernel,attention_ms,step_ms,timing_note,encode_ms,gpu_ms,"
+                        "dispatches,wait_ms,gpu_gap_ms")
+    # every row names the model that ran it (a name with a comma is quoted, as any field)
+    assert len(lines) == 1 + steps and lines[1].startswith("tiny_chat (random weights),chat 1,prefill,")
     with tab.expect_download() as info:
         tab.click("#export-json")
     exported = json.loads(Path(info.value.path()).read_text())
     assert exported["adapter"] and exported["dtype"] == "float32"  # SwiftShader: no shader-f16
+    assert exported["model"] == {"name": "tiny_chat (random weights)", "kind": "artifact", "artifact": "tiny_chat",
+                                 "shape": "tiny_chat", "layers": 2}
+    assert exported["replies"][0]["model"] == "tiny_chat (random weights)"
+    assert [r["reply"] for r in exported["replies"]] == ["chat 1", "compare 1 tiled", "compare 1 sharded"]
+    assert exported["comparisons"] == [{"label": "compare 1", **compared}]
     assert len(exported["steps"]) == steps and exported["replies"][0]["speed"]["decode_tok_s"] > 0
 
 
@@ -374,6 +402,12 @@ def test_the_kernel_lab_checks_and_times_every_shape(tab):
         tab.click("#lab-json")
     exported = json.loads(Path(download.value.path()).read_text())
     assert exported["rows"] == lab["rows"] and exported["browser"] and exported["adapter"] == lab["adapter"]
+    assert exported["model"]["name"] == "tiny_chat (random weights)" and exported["model"]["shape"] == "tiny_chat"
+    with tab.expect_download() as download:
+        tab.click("#lab-csv")
+    lines = Path(download.value.path()).read_text().splitlines()
+    assert lines[0].startswith("model,shape,context,") and len(lines) == 1 + len(lab["rows"])
+    assert all(line.startswith("tiny_chat (random weights),") for line in lines[1:])
 
 
 # The page's sections at each width the issue names (1920x1080, 1280x800, 800 px wide): the timing

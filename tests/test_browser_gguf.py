@@ -3,8 +3,11 @@ with the gguf package, is read from the file picker in the worker (nothing is up
 its tensors repacked on the GPU, and the chat talks through the file's own tokenizer and template. A
 truncated file is refused with the reason and the model loaded before keeps chatting."""
 
+import csv
 import dataclasses
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
 from conftest import open_page
@@ -26,8 +29,12 @@ def chat_once(tab, text: str, tokens: int) -> None:
     tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
 
 
+# A file name is shown as text, never as HTML.
+GGUF_NAME = "tiny-chat-q4_1 <img src=x onerror=alert(1)>.gguf"
+
+
 def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
-    path = tmp_path / "tiny-chat-q4_1.gguf"
+    path = tmp_path / GGUF_NAME
     write_llama_gguf(path, dataclasses.replace(ALL_MODEL_CONFIGS["tiny_chat"], n_layers=1), chat_template=CHATML,
                      types={"matrix": "Q4_1", "embed": "Q8_0"}, seed=3)
     cut = tmp_path / "cut.gguf"
@@ -40,19 +47,31 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         tab.wait_for_function("() => window.demoState.info.config === 'tiny_chat' && window.demoState.info.layers === 1"
                               " && !window.demoState.openingGguf", timeout=TIMEOUT_MS)
         status = tab.text_content("#status-panel")
-        assert "Ready: tiny-chat-q4_1.gguf" in status and "chatml chat template" in status, status
+        name = f"{GGUF_NAME} (tiny_chat shape, 1 layer)"  # its file name and shape
+        assert f"Ready: {name}, chatml chat template" in status, status
+        assert tab.inner_text("header h1") == f"{name} in your browser" and tab.locator("header img, #status-panel img").count() == 0
+        assert tab.title().startswith(f"{name} on WebGPU") and f"ready: {name}," in tab.inner_text("#status-summary")
         assert not [u for u in tab.requests if u.endswith(".gguf")]  # the file never went to the server
         tab.wait_for_function("() => window.demoState.keptGguf", timeout=TIMEOUT_MS)
         kept = tab.evaluate("window.demoState.keptGguf")
         assert kept.get("key") and kept["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), kept
         chat_once(tab, "hello there", 4)
         assert len(tab.evaluate("window.demoState.steps")) >= 1
+        with tab.expect_download() as download:
+            tab.click("#export-csv")
+        rows = list(csv.DictReader(Path(download.value.path()).read_text().splitlines()))
+        assert rows and {r["model"] for r in rows} == {name}  # the name's comma is quoted
+        with tab.expect_download() as download:
+            tab.click("#export-json")
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert exported["model"] == {"name": name, "kind": "gguf", "file": GGUF_NAME, "shape": "tiny_chat", "layers": 1}
 
         tab.set_input_files("#gguf-file", str(cut))
         tab.wait_for_function("() => !document.querySelector('#error').hidden && !window.demoState.openingGguf",
                               timeout=TIMEOUT_MS)
         error = tab.inner_text("#error")
         assert "Cannot open cut.gguf" in error and "truncated" in error and "still here" in error, error
+        assert tab.inner_text("header h1") == f"{name} in your browser"  # the model still loaded
         chat_once(tab, "again", 4)
         assert tab.console_errors == [] and tab.http_errors == []
     finally:
@@ -62,7 +81,7 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
     tab = open_page(browser, server + "/?model=synthetic:tiny_chat",
                     "window.demoState.chatReady || window.demoState.error", TIMEOUT_MS)
     try:
-        button = tab.locator("#cached-ggufs button", has_text="tiny-chat-q4_1.gguf")
+        button = tab.locator("#cached-ggufs button", has_text=GGUF_NAME)
         button.wait_for(timeout=TIMEOUT_MS)
         assert "cut.gguf" not in tab.inner_text("#cached-ggufs")  # a refused file is not kept
         button.click()

@@ -72,7 +72,7 @@ def test_the_page_reads_only_step_fields_of_a_step():
     for name in ("overlay.js", "chat_view.js", "export.js"):
         read |= set(re.findall(r"(?<![\w.])(?:stats|s)\.(\w+)", js(name)))
     assert read and read <= set(STEP_FIELDS), f"the page reads {sorted(read - set(STEP_FIELDS))} of a step"
-    assert 'STEP_COLUMNS = ["reply", ...STEP_FIELDS]' in js("export.js")
+    assert 'STEP_COLUMNS = ["model", "reply", ...STEP_FIELDS]' in js("export.js")
 
 
 def test_the_served_page_api_is_chat_api():
