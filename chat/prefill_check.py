@@ -335,14 +335,16 @@ async def time_prefill_kernels(model, tokens=TIMED_TOKENS) -> list[dict]:
 
 
 async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37), matrix=None,
-                            seed: int = 0) -> dict:
+                            attention_matrix: bool = False, seed: int = 0) -> dict:
     """The prefill as a chat turn meets it, with the model's options (`matrix`: RunOptions.prefill_matrix
-    for this run): for each prompt length a first turn of random ids (in the model's chunks), its GPU
+    for this run, `attention_matrix`: RunOptions.prefill_attention_matrix): for each prompt length a first turn of random ids (in the model's chunks), its GPU
     ms (summed over its passes, attention apart) and tokens per GPU second, and the wall time to its
     first token; then, after a 1,536-token first turn, a follow-up turn of each short length."""
     from model_glue.generate import generate
 
-    options = replace(model.options, prefill_matrix=matrix) if matrix is not None else None
+    options = None if matrix is None and not attention_matrix else \
+        replace(model.options, prefill_matrix=model.options.prefill_matrix if matrix is None else matrix,
+                prefill_attention_matrix=attention_matrix)
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
@@ -373,13 +375,15 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
     model.reset()
     return {"model": model.config_name, "dtype": model.dtype, "adapter": model.device.adapter_name,
             "prefill_matrix": model.runs_prefill_matrix(),
+            "prefill_attention": model.prefill_attention().layout or "scalar",
             "timing": "gpu-timestamps" if model.device.has_timestamps else "wall", "rows": rows}
 
 
-async def matrix_agreement(chat, text: str, tokens: int = 64) -> dict:
+async def matrix_agreement(chat, text: str, tokens: int = 64, attention: bool = False) -> dict:
     """A chat's reply to `text`, greedy, once with the scalar prefill matmuls and once with the
-    subgroup-matrix builds (the decode steps are the same kernels): identical ids, or the first
-    divergence and how many of the scalar run's tokens the matrix run predicts when fed them."""
+    subgroup-matrix builds (`attention`: the prefill attention's too; the decode steps are the same
+    kernels): identical ids, or the first divergence and how many of the scalar run's tokens the
+    matrix run predicts when fed them."""
     from model_glue.generate import generate
 
     model = chat.model
@@ -389,11 +393,13 @@ async def matrix_agreement(chat, text: str, tokens: int = 64) -> dict:
     runs = {}
     for matrix in (False, True):
         model.reset()
-        run = await generate(model, ids, max_new_tokens=tokens, options=replace(model.options, prefill_matrix=matrix))
+        run = await generate(model, ids, max_new_tokens=tokens,
+                             options=replace(model.options, prefill_matrix=matrix,
+                                             prefill_attention_matrix=matrix and attention))
         runs[matrix] = run.token_ids
     model.reset()
-    forced = await generate(model, ids, max_new_tokens=tokens, options=replace(model.options, prefill_matrix=True),
-                            forced_ids=runs[False])
+    forced = await generate(model, ids, max_new_tokens=tokens, forced_ids=runs[False],
+                            options=replace(model.options, prefill_matrix=True, prefill_attention_matrix=attention))
     model.reset()
     first = next((i for i, (a, b) in enumerate(zip(runs[False], runs[True])) if a != b), None)
     return {"prompt_tokens": len(ids), "tokens": len(runs[False]), "identical": runs[False] == runs[True],
