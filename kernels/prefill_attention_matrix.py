@@ -22,8 +22,9 @@ rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. 
   those rows. The first tile (which holds position 0, seen by every row) sets m without one.
 - The end passes O through workgroup memory the same way, divided by the row's denominator.
 
-Not yet verified on a GPU with subgroup matrices (docs/benchmarks.md), so the runtime runs it only
-where asked for (RunOptions.prefill_attention_matrix).
+On an H200 it fails the page's float64 check while the same WGSL with its builtins emulated passes
+there (docs/benchmarks.md), so the runtime runs it only where asked for
+(RunOptions.prefill_attention_matrix).
 
 Workgroup storage: the K and V tiles (the Q stage before them, P over K), each subgroup's S (f32,
 also its O when O passes through), one factor and one exchanged value a row: under 29 KiB at

@@ -88,8 +88,8 @@ class RunOptions:
     # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
     prefill_matrix: bool | None = None
     # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix) beside those
-    # matmuls (an error where they do not run). Off unless asked for: it is not yet verified on a GPU
-    # with subgroup matrices (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
+    # matmuls (an error where they do not run). Off unless asked for: it fails the float64 check on an
+    # H200 (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
     prefill_attention_matrix: bool = False
 
     def __post_init__(self):
