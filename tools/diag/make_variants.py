@@ -7,6 +7,8 @@ with subgroup matrices (each replaces the artifact's build of the same ABI in th
 - q_stage: Q staged in an array of its own and its fragments loaded in each tile, not held from before the loop
 - end_all: at the end every subgroup stores its O at once into an array of its own (no store under
   `if (subgroup == owner)`)
+- split_left: left operands (Q's stage, then P) in an array of their own, right operands (K^T, V) in
+  another (the matmul, which passes on the H200, never loads both kinds from one array)
 """
 
 from __future__ import annotations
@@ -71,13 +73,24 @@ def end_all(wgsl: str, d: int) -> str:
     return head + "\n".join(out)
 
 
+def split_left(wgsl: str, d: int) -> str:
+    """Left operands (Q's stage, then P) in an array of their own, right operands (K^T, V) in kv_tile."""
+    kv_stride = d + pam.PAD
+    size = max(pam.ROWS * kv_stride, pam.ROWS * pam.P_STRIDE)
+    wgsl = wgsl.replace("var<workgroup> scores", f"var<workgroup> left_tile : array<f16, {size}>;\nvar<workgroup> scores", 1)
+    wgsl = wgsl.replace("    kv_tile[at] = v.x; kv_tile[at + 1u] = v.y; kv_tile[at + 2u] = v.z; kv_tile[at + 3u] = v.w;",
+                        "    left_tile[at] = v.x; left_tile[at + 1u] = v.y; left_tile[at + 2u] = v.z; left_tile[at + 3u] = v.w;")
+    wgsl = wgsl.replace("subgroup_matrix_left<f16, 16, 16>, row_major>(&kv_tile,", "subgroup_matrix_left<f16, 16, 16>, row_major>(&left_tile,")
+    return wgsl.replace("kv_tile[p_at + ", "left_tile[p_at + ")
+
+
 if __name__ == "__main__":
     for h_kv, h_qo, d in SHAPES:
         G, H_QO = h_qo // h_kv, h_qo
         name = f"prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}_f16"
         base = build(h_kv, h_qo, d).replace(f"fn prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}(", f"fn {name}(")
         variants = {"q_stage": q_stage(base, d), "end_all": end_all(base, d),
-                    "q_stage_end_all": end_all(q_stage(base, d), d)}
+                    "q_stage_end_all": end_all(q_stage(base, d), d), "split_left": split_left(base, d)}
         if d == 64:  # the padded build fits 32 KiB at head_dim 64 only
             variants["pad64"] = build(h_kv, h_qo, d, PAD=32, S_STRIDE=48, P_STRIDE=64, KT_STRIDE=64).replace(
                 f"fn prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}(", f"fn {name}(")
