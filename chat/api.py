@@ -62,10 +62,7 @@ CALLS = (
     # a user's GGUF (a File, read in the worker: it never leaves the machine), its tensors repacked on the GPU
     Call("openGgufChat", "open_gguf_chat", handles=("session",), args=("file", "options"), events=("progress",),
          worker=True),
-    # keeps the GGUF opened last in the browser's Cache API under its sha256 (hashed here; the result:
-    # {"sha256", "key"} or {"error"}), so the next visit offers it
-    Call("keepGguf", "file_sha256", args=(), events=("progress",), worker=True),
-    # opens a GGUF the Cache API keeps (a key keepGguf returned) like openGgufChat
+    # opens a GGUF the Cache API keeps (static/gguf_keeper.js keeps an opened one) like openGgufChat
     Call("openCachedGguf", "open_gguf_chat", handles=("session",), args=("key", "options"), events=("progress",),
          worker=True),
     Call("reply", "chat_reply", handles=("chat",), args=("text", "request"), events=("text", "step", "prefill")),

@@ -168,21 +168,6 @@ async def open_gguf_chat(session: Session, file, options: str, progress):
                                        options=RunOptions.from_json(options), progress=progress)
 
 
-HASH_CHUNK = 16 << 20
-
-
-async def file_sha256(file, progress) -> str:
-    """The sha256 of a browser File or Blob, read 16 MiB at a time (the Cache API keeps a GGUF under it)."""
-    import hashlib
-
-    digest, size = hashlib.sha256(), int(file.size)
-    for offset in range(0, size, HASH_CHUNK):
-        digest.update((await file.slice(offset, min(size, offset + HASH_CHUNK)).arrayBuffer()).to_bytes())
-        if offset // HASH_CHUNK % 16 == 15:
-            progress(f"sha256: {offset / 2**20:,.0f} of {size / 2**20:,.0f} MiB")
-    return digest.hexdigest()
-
-
 def chat_info(chat) -> str:
     """What the page shows of a loaded model (JSON): the applied options (the context the KV cache
     really holds), the dtype and the prefill matmuls. The runtime's constants reach the page through chat/api.py."""

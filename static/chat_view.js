@@ -4,6 +4,7 @@
 import { COLORS, drawSteps } from "./charts.js";
 import { clearRuns, recordComparison, recordRun } from "./export.js";
 import { chatError, deviceLost, errorText } from "./faults.js";
+import { keeper } from "./gguf_keeper.js";
 import { clearOverlay, drawOverlayNow, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
 import { DEFAULT_MAX_NEW_TOKENS, STOPPED_IN_PREFILL, SWITCH_AT } from "./page_api.js";
 import { $, definitionList, fmt, state } from "./ui.js";
@@ -13,8 +14,10 @@ const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three senten
 // The reply or comparison in flight (a promise), so New chat can stop it and wait for it.
 let running = null;
 
+// Busy: a reply, a comparison, a model opening. The GGUF caching in the background waits meanwhile.
 export function setBusy(busy) {
   state.busy = busy;
+  keeper.hold("busy", busy);
   const blocked = busy || state.deviceLost !== null;
   $("send").disabled = blocked; $("compare").disabled = blocked;
   $("stop").disabled = !busy;

@@ -3,6 +3,7 @@
 import { COLORS, drawSteps } from "./charts.js";
 import { download } from "./export.js";
 import { errorText } from "./faults.js";
+import { keeper } from "./gguf_keeper.js";
 import { SWITCH_AT } from "./page_api.js";
 import { $, fmt, state } from "./ui.js";
 
@@ -64,6 +65,7 @@ function exportLab(format) {
 
 async function runLab(app) {
   $("lab-run").disabled = true;
+  keeper.hold("lab", true);  // the GGUF caching in the background waits: the lab times kernels
   $("lab-rows").replaceChildren();
   $("lab-status").textContent = "running… (each row is checked against a float64 reference, then timed)";
   const rows = [];
@@ -86,6 +88,7 @@ async function runLab(app) {
   } catch (err) {
     $("lab-status").textContent = `The lab failed: ${errorText(err)}`;
   } finally {
+    keeper.hold("lab", false);
     $("lab-run").disabled = false;
   }
 }

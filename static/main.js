@@ -6,12 +6,13 @@
 // device, long tasks), weights_cache.js, lab.js.
 import { compare, fillLongDocument, finishReply, addMessage, missesText, newChat, send, setBusy, stopRunning, TextStream } from "./chat_view.js";
 import { exportSteps } from "./export.js";
+import { keeper } from "./gguf_keeper.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
 import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT, WARM_GAP_SECONDS, WARM_SECONDS } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
-import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels } from "./weights_cache.js";
+import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels, GGUF_CHUNK_BYTES } from "./weights_cache.js";
 
 window.demoUI = { finishReply, addMessage, missesText, TextStream };  // for the page tests
 const params = new URLSearchParams(location.search);
@@ -33,6 +34,8 @@ const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
 const WARM = params.get("warm") === "on";
 // ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
+// ?keepChunk=BYTES: the chunk an opened GGUF is hashed and stored by in the background (keepGguf).
+const KEEP_CHUNK = Number(params.get("keepChunk")) || GGUF_CHUNK_BYTES;
 watchLongTasks();
 
 // The runtime's numbers the page shows (chat/api.py, through page_api.js), never copied here.
@@ -153,7 +156,7 @@ async function loadChat(python) {
   nameModel({ name, kind: "artifact", artifact: MODEL, shape: state.info.config, layers: state.info.layers });
 }
 
-// A button per GGUF the browser's cache keeps (python_worker.js keepGguf).
+// A button per GGUF the browser's cache keeps (keepGguf).
 async function showCachedGgufs(app) {
   const list = $("cached-ggufs");
   list.replaceChildren();
@@ -204,7 +207,7 @@ async function reloadModel(app) {
 // Python repacks its tensors on the GPU. A file the runtime cannot run is refused with the reason,
 // and the model already loaded stays.
 // `cached` ({key, name, bytes}) opens a GGUF the browser's cache keeps instead of a File; a File
-// that opens is then kept there under its sha256 (hashed after Ready), for the next visit.
+// that opens is then kept there for the next visit, in the background (keepGguf).
 async function openGguf(app, file, cached = null) {
   if (state.busy || state.openingGguf) return;
   const name = cached ? cached.name : file.name, bytes = cached ? cached.bytes : file.size;
@@ -227,13 +230,7 @@ async function openGguf(app, file, cached = null) {
     $("error").hidden = true;
     state.openingGguf = false;
     setBusy(false);
-    if (!cached && cacheAvailable()) {
-      const kept = state.keptGguf = JSON.parse(await app.python.call("keepGguf", {}, progress));
-      step(kept.error ? `${name} is not kept in the browser's cache (${kept.error}).`
-        : `${name} is kept in the browser's cache (sha256 ${kept.sha256.slice(0, 12)}…): the next visit offers it.`);
-      finishSteps();
-      await showCache();
-    }
+    if (!cached && cacheAvailable()) keepGguf(file);  // in the background: the chat is ready now
   } catch (err) {
     const message = `Cannot open ${name}: ${errorText(err)}`;
     step(message);
@@ -245,6 +242,31 @@ async function openGguf(app, file, cached = null) {
     $("open-gguf").disabled = false;
     setBusy(false);
   }
+}
+
+// Keeps an opened GGUF in the browser's cache for the next visit (static/gguf_keeper.js): its own
+// worker hashes and stores it a chunk at a time and waits while a reply runs; the line under the
+// GGUF button shows how far it is. ?keepChunk=BYTES sets the chunk (the tests make it small).
+async function keepGguf(file) {
+  state.keptGguf = null;
+  const line = $("keeping");
+  keeper.onProgress = ({ stage, done, total, held }) => {
+    Object.assign(state.keeping, { stage, done, total, held });
+    line.textContent = `Keeping ${file.name} in this browser's cache: ${stage === "hash" ? "hashing" : "storing"} ` +
+      `${MiB(done)} of ${MiB(total)} MiB${held ? " (waiting while the page works)" : ""}…`;
+  };
+  line.hidden = false;
+  const keeping = keeper.keep(file, KEEP_CHUNK);
+  state.keeping = { name: file.name, stage: "hash", done: 0, total: file.size, held: false, holds: keeper.holds };
+  const kept = await keeping;
+  if (kept.cancelled) return;  // a file opened later is kept instead
+  line.hidden = true;
+  state.keptGguf = kept;
+  state.keeping.stage = "done";
+  step(kept.error ? `${file.name} is not kept in the browser's cache (${kept.error}).`
+    : `${file.name} is kept in the browser's cache (chunked sha256 ${kept.sha256.slice(0, 12)}…): the next visit offers it.`);
+  finishSteps();
+  await showCache();
 }
 
 // A GGUF by its file name and the shape it runs as.

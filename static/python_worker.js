@@ -9,7 +9,7 @@
 import { loadPyodide } from "./pyodide/pyodide.mjs";
 import { CALLS, HOOKS_PATH } from "./page_api.js";
 import { mapForReading, replayComputePasses } from "./replay.js";
-import { CACHE_NAME as WEIGHTS_CACHE, GGUF_CACHE_BASE, loadWeights } from "./weights_cache.js";
+import { CACHE_NAME as WEIGHTS_CACHE, loadWeights } from "./weights_cache.js";
 
 globalThis.replayComputePasses = replayComputePasses;  // what Python's BrowserDevice replays passes with
 globalThis.mapForReading = mapForReading;  // and asks for its readbacks' maps with
@@ -94,25 +94,7 @@ const own = {
     const chat = await page.open_gguf_chat(handles.session, file, options, (message) => post(id, "progress", message));
     if (handles.chat) page.carry_over(handles.chat, chat);
     handles.chat = chat;
-    handles.ggufFile = file;
     return page.chat_info(chat);
-  },
-
-  // The GGUF opened last, into the Cache API under its sha256 (Python hashes it), with its name.
-  async keepGguf(id) {
-    const file = handles.ggufFile;
-    if (!file) throw new Error("no GGUF is open");
-    if (typeof caches === "undefined") return JSON.stringify({ error: "the Cache API needs https or localhost" });
-    const sha256 = await page.file_sha256(file, (message) => post(id, "progress", message));
-    const key = new URL(`gguf/${sha256}`, GGUF_CACHE_BASE).href;
-    try {
-      const cache = await caches.open(WEIGHTS_CACHE);
-      await cache.put(key, new Response(file, { headers: {
-        "Content-Type": "application/octet-stream", "X-Weights-Bytes": String(file.size), "X-GGUF-Name": file.name } }));
-    } catch (err) {  // over the storage quota: the model runs, it is just not kept
-      return JSON.stringify({ sha256, error: String(err) });
-    }
-    return JSON.stringify({ sha256, key });
   },
 
   // A GGUF the Cache API keeps: its bytes (a Blob backed by the cache) go through openGgufChat's path.

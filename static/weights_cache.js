@@ -6,14 +6,29 @@
 // The download is streamed so the page can show bytes as they arrive.
 
 export const CACHE_NAME = "sharded-decode-demo-weights";
-// Where a user's GGUF is kept in the same cache: gguf/<sha256> under the page's folder.
+// Where a user's GGUF is kept in the same cache: gguf/<chunked sha256> under the page's folder.
 export const GGUF_CACHE_BASE = new URL("./", import.meta.url).href;
+export const ggufCacheKey = (sha256) => new URL(`gguf/${sha256}`, GGUF_CACHE_BASE).href;
+// A kept GGUF is hashed and stored this many bytes at a time (static/gguf_keeper_worker.js).
+export const GGUF_CHUNK_BYTES = 4 << 20;
 
 export const cacheAvailable = () => typeof caches !== "undefined" && !!(crypto && crypto.subtle);
 
 async function sha256Hex(bytes) {
   const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
   return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// A file's "chunked sha256": the sha256 of its chunks' sha256 digests, concatenated in order (the
+// chunks: chunkBytes each, the last one shorter). Only one chunk is in memory at a time, and native
+// crypto.subtle hashes it. read(offset, end) returns the file's bytes [offset, end).
+export async function chunkedSha256(size, chunkBytes, read) {
+  const digests = new Uint8Array(32 * Math.ceil(size / chunkBytes));
+  for (let offset = 0, i = 0; offset < size; offset += chunkBytes, i++) {
+    const bytes = await read(offset, Math.min(size, offset + chunkBytes));
+    digests.set(new Uint8Array(await crypto.subtle.digest("SHA-256", bytes)), 32 * i);
+  }
+  return sha256Hex(digests);
 }
 
 // Streams `url` into one Uint8Array of `totalBytes`, calling onBytes(received) as chunks arrive.
@@ -101,7 +116,7 @@ export async function clearCachedModels() {
   if (cacheAvailable()) await caches.delete(CACHE_NAME);
 }
 
-// The GGUFs this page keeps (python_worker.js keepGguf): [{key, name, bytes}], the latest first.
+// The GGUFs this page keeps (static/gguf_keeper.js): [{key, name, bytes}], the latest first.
 export async function cachedGgufs() {
   if (!cacheAvailable() || !(await caches.has(CACHE_NAME))) return [];
   const cache = await caches.open(CACHE_NAME);

@@ -29,6 +29,17 @@ def chat_once(tab, text: str, tokens: int) -> None:
     tab.wait_for_function("() => window.demoState.lastReply", timeout=TIMEOUT_MS)
 
 
+# The page hashes and stores an opened GGUF this many bytes at a time (?keepChunk): small, so that
+# caching the 8 MB test file lasts through the reply typed right after Ready.
+KEEP_CHUNK = 4096
+
+
+def chunked_sha256(data: bytes, chunk: int) -> str:
+    """static/weights_cache.js chunkedSha256: the sha256 of the chunks' sha256 digests."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + chunk]).digest()
+                                   for i in range(0, len(data), chunk))).hexdigest()
+
+
 # A file name is shown as text, never as HTML.
 GGUF_NAME = "tiny-chat-q4_1 <img src=x onerror=alert(1)>.gguf"
 
@@ -39,23 +50,28 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
                      types={"matrix": "Q4_1", "embed": "Q8_0"}, seed=3)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:-4096])
-    tab = open_page(browser, server + "/?model=synthetic:tiny_chat",
+    tab = open_page(browser, server + f"/?model=synthetic:tiny_chat&keepChunk={KEEP_CHUNK}",
                     "window.demoState.chatReady || window.demoState.error", TIMEOUT_MS)
     try:
         assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
         tab.set_input_files("#gguf-file", str(path))
         tab.wait_for_function("() => window.demoState.info.config === 'tiny_chat' && window.demoState.info.layers === 1"
                               " && !window.demoState.openingGguf", timeout=TIMEOUT_MS)
+        # A reply right after Ready: the file's caching, in its own worker, waits while it runs.
+        chat_once(tab, "hello there", 4)
+        tab.wait_for_function("() => window.demoState.keptGguf", timeout=TIMEOUT_MS)
+        kept, holds = tab.evaluate("[window.demoState.keptGguf, window.demoState.keeping.holds]")
+        assert kept.get("key") and kept["sha256"] == chunked_sha256(path.read_bytes(), KEEP_CHUNK), kept
+        released = [h for h in holds if h["releasedAt"] is not None]
+        assert released, f"the reply did not overlap the caching ({holds}): make KEEP_CHUNK smaller"
+        # at most the chunk in flight when the hold came finishes while held
+        assert all(h["releasedAt"] - h["heldAt"] <= KEEP_CHUNK for h in released), holds
         status = tab.text_content("#status-panel")
         name = f"{GGUF_NAME} (tiny_chat shape, 1 layer)"  # its file name and shape
         assert f"Ready: {name}, chatml chat template" in status, status
         assert tab.inner_text("header h1") == f"{name} in your browser" and tab.locator("header img, #status-panel img").count() == 0
         assert tab.title().startswith(f"{name} on WebGPU") and f"ready: {name}," in tab.inner_text("#status-summary")
         assert not [u for u in tab.requests if u.endswith(".gguf")]  # the file never went to the server
-        tab.wait_for_function("() => window.demoState.keptGguf", timeout=TIMEOUT_MS)
-        kept = tab.evaluate("window.demoState.keptGguf")
-        assert kept.get("key") and kept["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), kept
-        chat_once(tab, "hello there", 4)
         assert len(tab.evaluate("window.demoState.steps")) >= 1
         with tab.expect_download() as download:
             tab.click("#export-csv")
