@@ -339,7 +339,8 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
     """The prefill as a chat turn meets it, with the model's options (`matrix`: RunOptions.prefill_matrix
     for this run, `attention_matrix`: RunOptions.prefill_attention_matrix): for each prompt length a first turn of random ids (in the model's chunks), its GPU
     ms (summed over its passes, attention apart) and tokens per GPU second, and the wall time to its
-    first token; then, after a 1,536-token first turn, a follow-up turn of each short length."""
+    first token; then, after a 1,536-token first turn, a follow-up turn of each short length, its
+    attention run by the causal prefill kernel and as a decode batch (RunOptions.short_prefill_decode_attention)."""
     from model_glue.generate import generate
 
     options = None if matrix is None and not attention_matrix else \
@@ -350,7 +351,7 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
     def ids(n: int) -> list[int]:
         return [rng.randrange(3, model.config.vocab_size) for _ in range(n)]
 
-    async def turn(prompt: list[int], label: str) -> dict:
+    async def turn(prompt: list[int], label: str, options=options) -> dict:
         started = time.perf_counter()
         run = await generate(model, prompt, max_new_tokens=1, options=options, reuse_cache=True)
         wall = time.perf_counter() - started
@@ -368,14 +369,16 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
             model.reset()
             rows.append(await turn(ids(n), "first"))
     for n in short_turns:
-        model.reset()
-        first = ids(min(1536, model.kv.capacity - n - 4))
-        await turn(first, "first")
-        rows.append(await turn(first + ids(n), "follow-up"))
+        first, more = ids(min(1536, model.kv.capacity - n - 4)), ids(n)
+        for decode_attention in (False, True):
+            model.reset()
+            await turn(first, "first")
+            rows.append(await turn(first + more, "follow-up" if decode_attention else "follow-up, prefill kernel",
+                                   replace(options or model.options, short_prefill_decode_attention=decode_attention)))
     model.reset()
     return {"model": model.config_name, "dtype": model.dtype, "adapter": model.device.adapter_name,
             "prefill_matrix": model.runs_prefill_matrix(),
-            "prefill_attention": model.prefill_attention().layout or "scalar",
+            "prefill_attention": model.prefill_attention(SHORT_PREFILL_TOKENS + 1, 0).layout or "scalar",  # a long pass's
             "timing": "gpu-timestamps" if model.device.has_timestamps else "wall", "rows": rows}
 
 

@@ -129,12 +129,12 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
         workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
 
 
-def pass_attention_kernels(m, choice: AttentionChoice) -> list:
+def pass_attention_kernels(m, choice: AttentionChoice, n: int = 1) -> list:
     """The attention kernels a pass dispatches: without the merge where the o-projection
     (LlamaModel.o_merges) or its int8 quantizer (LlamaModel.quantizer_merges) merges the split
     call's partial states."""
     kernels = m.attention_kernels(choice)
-    return kernels[:-1] if m.o_merges(choice) or m.quantizer_merges(choice) else kernels
+    return kernels[:-1] if m.o_merges(choice, n) or m.quantizer_merges(choice, n) else kernels
 
 
 def role_values(m, role: str, **pass_values) -> dict:
@@ -243,8 +243,8 @@ def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pag
 
 def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> None:
     c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
-    attention = pass_attention_kernels(m, choice)
-    o_merges = m.o_merges(choice)
+    attention = pass_attention_kernels(m, choice, n)
+    o_merges = m.o_merges(choice, n)
     stamps = PassStamps(c.n_layers)
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
@@ -270,7 +270,7 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
         if o_merges:  # x of the o-projection is merged from the split call's partial states
             _matmul(m, enc, "o_residual_merge", n, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
-        elif m.quantizer_merges(choice):  # ... by the o-projection's quantizer
+        elif m.quantizer_merges(choice, n):  # ... by the o-projection's quantizer
             _quantize_x(m, enc, "quantize_merge_decode", {name: buf[name] for name in SPLIT_WORKSPACE},
                         values={"num_splits": choice.num_splits}, per_step=True)
             _matmul(m, enc, "o_residual", n, f"{p}.o", _codes(m), x_mid, resid=x)

@@ -40,6 +40,11 @@ O_MERGE_NOTE = "the split attention's merge ran inside the o-projection, not in 
 QUANTIZER_MERGE_NOTE = "the split attention's merge ran inside the o-projection's int8 quantizer, not in attention_ms"
 
 
+def query_contexts(n: int, start: int) -> list[int]:
+    """The prefix each of a pass's n tokens attends to, after `start` cached tokens (causal)."""
+    return list(range(start + 1, start + n + 1))
+
+
 class PlanKey(NamedTuple):
     """What fixes the dispatches of a pass: its attention kernels (the nest, the layout, whether
     split: S itself is a per-step value, so a plan and its recording serve every S) and argmax vs
@@ -168,13 +173,14 @@ class LlamaModel:
         except ValueError as err:
             raise ModelError(str(err)) from err
 
-    def o_merges(self, choice: AttentionChoice) -> bool:
-        """Whether a pass with this attention choice merges the split call's partial states in the
-        o-projection instead of a merge dispatch: RunOptions.merge_in_o (True: wherever the shape
-        has the kernel), by default where contract.kernels.o_merges_splits says it pays; never where
-        the int8_x quantizer merges it (`quantizer_merges`)."""
-        if not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names \
-                or self.quantizer_merges(choice):
+    def o_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
+        """Whether a pass of n tokens with this attention choice merges the split call's partial
+        states in the o-projection instead of a merge dispatch: one-token passes only (the merging
+        o-projection is a decode build); RunOptions.merge_in_o (True: wherever the shape has the
+        kernel), by default where contract.kernels.o_merges_splits says it pays; never where the
+        int8_x quantizer merges it (`quantizer_merges`)."""
+        if n != 1 or not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names \
+                or self.quantizer_merges(choice, n):
             return False
         return self.run.merge_in_o or o_merges_splits(self.config, self.dtype, choice.num_splits)
 
@@ -198,10 +204,16 @@ class LlamaModel:
         if why:
             raise ModelError(f"prefill_attention_matrix was asked for, but {why}")
 
-    def prefill_attention(self) -> AttentionChoice:
-        """The causal prefill kernel a prefill pass runs: its subgroup-matrix build where asked for
+    def prefill_attention(self, n: int, start: int) -> AttentionChoice:
+        """The attention of a prefill pass of n tokens after `start` cached ones. A short pass
+        (RunOptions.short_prefill_decode_attention, at most SHORT_PREFILL_TOKENS) runs the decode
+        nests' kernels as a batch of its n tokens, each a query over its own prefix: the causal
+        prefill kernel gives a KV head one workgroup for those few rows and walks the whole cached
+        context serially. Else the causal prefill kernel: its subgroup-matrix build where asked for
         (RunOptions.prefill_attention_matrix), beside the matmuls' (`runs_prefill_matrix`), and the
         artifact has one for the shape."""
+        if n <= SHORT_PREFILL_TOKENS and self.run.short_prefill_decode_attention:
+            return self._choose(query_contexts(n, start))
         if self.run.prefill_attention_matrix and self.runs_prefill_matrix() and self.attention.prefill_matrix:
             return PREFILL_ON_MATRICES
         return AttentionChoice("prefill")
@@ -213,9 +225,10 @@ class LlamaModel:
         tile = "32-token" if n <= SHORT_PREFILL_TOKENS else "128-token"
         return f"{'subgroup-matrix' if self.runs_prefill_matrix() else 'scalar'} matmuls, {tile} tiles"
 
-    def quantizer_merges(self, choice: AttentionChoice) -> bool:
-        """Whether a decode pass merges the split call in the o-projection's quantizer (int8_x)."""
-        return choice.split and self.int8_x(1)
+    def quantizer_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
+        """Whether a pass of n tokens merges the split call in the o-projection's quantizer (int8_x:
+        one-token passes)."""
+        return choice.split and self.int8_x(n)
 
     def attention_kernels(self, choice: AttentionChoice) -> list:
         """The compiled kernels of one attention call, in dispatch order."""
@@ -262,17 +275,19 @@ class LlamaModel:
         greedy = sampling is None or sampling.greedy
         start = self.kv.length
         context = start + n  # the last token sees the prefix and every token of the pass
-        # a decode step asks which kernels; a prefill pass runs the causal prefill kernel
-        choice = self._choose([context]) if n == 1 else self.prefill_attention()
+        # a decode step asks which kernels; a prefill pass runs the causal prefill kernel, or a short
+        # one the decode kernels over a batch of its tokens
+        choice = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
         slots = self.kv.reserve(n)
         self.ensure_scratch(n)
         if token_ids is not None:
             self.cached_ids.extend(token_ids)  # an id still on the GPU is added by the `finish` that reads it
-        nnz_pages = self._write_inputs(token_ids, start, slots, context)
+        nnz_pages = self._write_inputs(token_ids, start, slots,
+                                       [context] if choice.nest == "prefill" else query_contexts(n, start))
 
         batch = self.device.batch()
         one_pass = not self._times_attention(n, context)
-        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice), self.prefill_matmuls(n))
+        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice, n), self.prefill_matmuls(n))
         recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
             self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))
@@ -290,7 +305,7 @@ class LlamaModel:
         kernel = f"{choice} · {key.prefill_matmuls}" if key.prefill_matmuls else str(choice)
         stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, kernel, None, 0.0,
                           timing_note=O_MERGE_NOTE if key.o_merges else
-                          QUANTIZER_MERGE_NOTE if self.quantizer_merges(choice) else "")
+                          QUANTIZER_MERGE_NOTE if self.quantizer_merges(choice, n) else "")
         self._last_pass_tokens = n
         self._all_stamps_written |= not one_pass
         return self.pipeline.submit(batch, self.buffers["next_id"], stats, start=start,
@@ -306,11 +321,12 @@ class LlamaModel:
             return True
         return every > 0 and (context % every == 0 or self._last_pass_tokens != 1)
 
-    def _write_inputs(self, token_ids, start: int, slots: list[int], context: int) -> int:
+    def _write_inputs(self, token_ids, start: int, slots: list[int], contexts: list[int]) -> int:
         """The pass's ids (a one-token pass reads its id where the last pass's argmax wrote), positions,
-        K/V slots and page table; returns the pages the context uses."""
+        K/V slots and page table (a decode batch's: one prefix per query, `contexts` long); returns
+        the page ids the table holds."""
         buf = self.buffers
-        indptr, page_ids, last_len = self.kv.page_table([context])
+        indptr, page_ids, last_len = self.kv.page_table(contexts)
         if token_ids is not None:
             self.device.write(buf["ids"] if len(token_ids) > 1 else buf["next_id"], array("i", token_ids).tobytes())
         self._write_changed("positions", array("i", range(start, start + len(slots))).tobytes())
@@ -363,7 +379,7 @@ class LlamaModel:
         choice = self._choose([start + 1])
         slots = self.kv.reserve(1)
         self.ensure_scratch(1)
-        nnz_pages = self._write_inputs(None, start, slots, start + 1)
+        nnz_pages = self._write_inputs(None, start, slots, [start + 1])
         batch = self.device.batch()
         enc = ProfilingEncoder(batch, stamps)
         encode_forward(self, enc, 1, choice, nnz_pages, None, 0.0)

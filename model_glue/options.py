@@ -91,6 +91,10 @@ class RunOptions:
     # matmuls (an error where they do not run). Off unless asked for: it fails the float64 check on an
     # H200 (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
     prefill_attention_matrix: bool = False
+    # A prefill pass of at most contract.kernels.SHORT_PREFILL_TOKENS tokens (a chat's follow-up turn)
+    # runs its attention with the decode kernels, a batch of its tokens each over its own prefix
+    # (LlamaModel.prefill_attention); False: the causal prefill kernel (benchmarks compare the two).
+    short_prefill_decode_attention: bool = True
 
     def __post_init__(self):
         if isinstance(self.layout, str):  # the one place a layout's text is parsed
@@ -111,11 +115,12 @@ class RunOptions:
                                                       or self.time_attention_every < 0):
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
-        if not isinstance(self.replay, bool) or not isinstance(self.prefill_attention_matrix, bool) or any(getattr(self, f) not in (None, True, False)
-                                                    for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups",
-                                                              "matmul_int8_x", "prefill_matrix")):
+        flags = ("replay", "prefill_attention_matrix", "short_prefill_decode_attention")
+        if not all(isinstance(getattr(self, f), bool) for f in flags) or any(
+                getattr(self, f) not in (None, True, False)
+                for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups", "matmul_int8_x", "prefill_matrix")):
             raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups, matmul_int8_x, "
-                             "prefill_matrix and prefill_attention_matrix are true or false")
+                             "prefill_matrix, prefill_attention_matrix and short_prefill_decode_attention are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ModelError(f"prefill_chunk must be a positive number of tokens, not {self.prefill_chunk!r}")
         if self.pipeline_depth is not None and self.pipeline_depth not in range(2, MAX_PIPELINE_DEPTH + 1):
@@ -147,6 +152,7 @@ class RunOptions:
                                  f"load it again for {getattr(request, load_time)}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
                        prefill_attention_matrix=request.prefill_attention_matrix,
+                       short_prefill_decode_attention=request.short_prefill_decode_attention,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o",
                                                     "prefill_matrix") if getattr(request, f) is not None})
 

@@ -7,7 +7,7 @@ the passes bound to them (model_glue.kernel.DispatchPlan) live on; a growth drop
 from __future__ import annotations
 
 from contract.attention import MAX_SPLITS
-from contract.kernels import head_spec
+from contract.kernels import SHORT_PREFILL_TOKENS, head_spec
 from contract.model import LlamaConfig
 from model_glue.attention import split_workspace_bytes
 from model_glue.kv_cache import PagedKVCache
@@ -22,14 +22,16 @@ ONE_TOKEN_BUFFERS = ("last", "logits", "head_best", "next_id", "xq", "xstats", "
 def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, int]:
     """Bytes of each activation buffer for passes of up to `n` tokens (`e` bytes per element) with a
     KV cache of `capacity` tokens."""
+    queries = min(n, SHORT_PREFILL_TOKENS)
     return {
         "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
         "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
         "qkv": e * n * c.qkv_dim, "q": e * n * c.n_heads * c.head_dim,
         "attn": e * n * c.n_heads * c.head_dim, "lse": 4 * n * c.n_heads,
         "gate_up": e * n * 2 * c.ffn_dim, "ffn": e * n * c.ffn_dim,
-        # decode attention's page table (one sequence; prefill attention reads page_ids too)
-        "indptr": 4 * 2, "page_ids": 4 * PagedKVCache.pages_for(capacity), "last_len": 4,
+        # decode attention's page table: one prefix a query, for a decode step or a short prefill
+        # pass's batch (LlamaModel.prefill_attention); prefill attention reads page_ids too
+        "indptr": 4 * (queries + 1), "page_ids": 4 * queries * PagedKVCache.pages_for(capacity), "last_len": 4 * queries,
         # TVM's decode signature has RoPE offsets; RoPE is applied at append (rotary_mode 0), so the
         # kernels never read them: one zero-filled word serves both.
         "rope_offsets": 4,

@@ -126,6 +126,27 @@ def test_a_chunked_prompt_matches_reference(loop, gpu, test_library, tiny_dir, t
     assert rel_l2(logits_of(loop, model), want) < LOGIT_TOLERANCE["float32"]
 
 
+@pytest.mark.parametrize("cached", [40, 290], ids=["tiled-contexts", "sharded-contexts"])
+def test_a_short_pass_runs_its_attention_as_a_decode_batch(loop, gpu, test_library, tiny_dir, tiny_reference, cached):
+    """A follow-up pass of SHORT_PREFILL_TOKENS or fewer after a cached prefix runs the decode
+    kernels over a batch of its tokens, each over its own prefix (LlamaModel.prefill_attention):
+    its logits and the next step's match the float64 reference, as the causal prefill kernel's do."""
+    model = load(loop, gpu, test_library, tiny_dir, "float32")
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, TINY_VOCAB, cached + 9)]
+    tiny_reference.reset()
+    want = tiny_reference.forward(prompt, 0)[-2:]  # after the short pass, after the step that follows
+    for decode_batch, nest in ((True, "tiled" if cached + 9 <= 256 else "sharded"), (False, "prefill")):
+        model.reset()
+        loop.run_until_complete(model.use(RunOptions(short_prefill_decode_attention=decode_batch)))
+        loop.run_until_complete(model.forward(prompt[:cached]))
+        token = loop.run_until_complete(model.forward(prompt[cached:-1]))
+        assert (model.stats[-1].kind, model.stats[-1].tokens, model.stats[-1].nest) == ("prefill", 8, nest)
+        assert rel_l2(logits_of(loop, model), want[0]) < LOGIT_TOLERANCE["float32"], decode_batch
+        assert token == int(np.argmax(want[0]))
+        loop.run_until_complete(model.forward(prompt[-1:]))
+        assert rel_l2(logits_of(loop, model), want[1]) < LOGIT_TOLERANCE["float32"], decode_batch
+
+
 def test_nest_switches_past_256_and_text_is_unchanged(loop, gpu, test_library, tiny_dir):
     """A context that crosses 256 tokens switches nest at the right step; auto == tiled-forced."""
     model = load(loop, gpu, test_library, tiny_dir, "float32")
@@ -264,7 +285,8 @@ def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_d
             for one_pass in (False, True)]
     assert keys == [PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True, one_pass=one_pass, o_merges=True)
                     for one_pass in (False, True)]
-    assert sorted(k for k in model._plans if k.nest == "sharded") == keys and all(k in model._recorded for k in keys)
+    decode_plans = [k for k in model._plans if k.nest == "sharded" and not k.prefill_matmuls]  # the 3-token prompt's too
+    assert sorted(decode_plans) == keys and all(k in model._recorded for k in keys)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -159,9 +159,10 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
     """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
     matrix builds of the matmuls and (asked for) of attention; the logits as close to the f64 reference as the
     scalar kernels' (their W is f16 too); the overlay's prefill rows name the path; a request for the
-    scalar kernels runs them."""
+    scalar kernels runs them. (The short turn's attention is held to the prefill kernel: by default
+    the decode kernels run it, RunOptions.short_prefill_decode_attention.)"""
     model = tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir,
-                                      prefill_attention_matrix=True)
+                                      prefill_attention_matrix=True, short_prefill_decode_attention=False)
     assert model.has_prefill_matrix and model.options.prefill_matrix is True
     assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
         matrix_roles(llama_kernels(TINY, "float16")))
