@@ -26,6 +26,7 @@ from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
 from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, SHORT_PREFILL_TOKENS, llama_kernels, prefill_matmul_role
 from contract.model import DTYPE_BYTES
+from model_glue.attention import DECODE_BATCH_MAX_TOKENS
 
 CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
 CHECK_ROWS = 320  # W rows: 2.5 matrix tiles of 128, 5 scalar tiles of 64 (SwiGLU: 160 columns)
@@ -334,7 +335,7 @@ async def time_prefill_kernels(model, tokens=TIMED_TOKENS) -> list[dict]:
     return await time_prefill_matmuls(model, tokens) + await time_prefill_attention(model, tokens)
 
 
-async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37), matrix=None,
+async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37, 64), matrix=None,
                             attention_matrix: bool = False, seed: int = 0) -> dict:
     """The prefill as a chat turn meets it, with the model's options (`matrix`: RunOptions.prefill_matrix
     for this run, `attention_matrix`: RunOptions.prefill_attention_matrix): for each prompt length a first turn of random ids (in the model's chunks), its GPU
@@ -378,7 +379,7 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
     model.reset()
     return {"model": model.config_name, "dtype": model.dtype, "adapter": model.device.adapter_name,
             "prefill_matrix": model.runs_prefill_matrix(),
-            "prefill_attention": model.prefill_attention(SHORT_PREFILL_TOKENS + 1, 0).layout or "scalar",  # a long pass's
+            "prefill_attention": model.prefill_attention(DECODE_BATCH_MAX_TOKENS + 1, 0).layout or "scalar",  # a long pass's
             "timing": "gpu-timestamps" if model.device.has_timestamps else "wall", "rows": rows}
 
 

@@ -67,6 +67,12 @@ def tiled_defect(tiled_spec: KernelSpec) -> str | None:
     return tiled_spec.meta.get("defect")
 
 
+# A prefill pass of at most this many tokens runs its attention with the decode kernels, a batch of
+# its tokens each over its own prefix (LlamaModel.prefill_attention): a follow-up turn's few rows
+# would give the causal prefill kernel one workgroup a KV head, walking the cached context serially.
+DECODE_BATCH_MAX_TOKENS = 64
+
+
 def pick_decode_nest(context_lens: list[int], override: str = "auto", tiled_defect: str | None = None) -> str:
     """'tiled' or 'sharded' for one decode step of a batch.
 

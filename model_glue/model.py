@@ -20,7 +20,7 @@ from contract.attention import MATRIX_PREFILL, AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from contract.kernels import (SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes,
                               o_merges_splits, prefill_matrix)
-from model_glue.attention import AttentionKernels, choose_decode_attention
+from model_glue.attention import DECODE_BATCH_MAX_TOKENS, AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
 from model_glue.kernel import DispatchPlan
@@ -206,13 +206,13 @@ class LlamaModel:
 
     def prefill_attention(self, n: int, start: int) -> AttentionChoice:
         """The attention of a prefill pass of n tokens after `start` cached ones. A short pass
-        (RunOptions.short_prefill_decode_attention, at most SHORT_PREFILL_TOKENS) runs the decode
+        (RunOptions.short_prefill_decode_attention, at most DECODE_BATCH_MAX_TOKENS) runs the decode
         nests' kernels as a batch of its n tokens, each a query over its own prefix: the causal
         prefill kernel gives a KV head one workgroup for those few rows and walks the whole cached
         context serially. Else the causal prefill kernel: its subgroup-matrix build where asked for
         (RunOptions.prefill_attention_matrix), beside the matmuls' (`runs_prefill_matrix`), and the
         artifact has one for the shape."""
-        if n <= SHORT_PREFILL_TOKENS and self.run.short_prefill_decode_attention:
+        if n <= DECODE_BATCH_MAX_TOKENS and self.run.short_prefill_decode_attention:
             return self._choose(query_contexts(n, start))
         if self.run.prefill_attention_matrix and self.runs_prefill_matrix() and self.attention.prefill_matrix:
             return PREFILL_ON_MATRICES

@@ -91,7 +91,7 @@ class RunOptions:
     # matmuls (an error where they do not run). Off unless asked for: it fails the float64 check on an
     # H200 (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
     prefill_attention_matrix: bool = False
-    # A prefill pass of at most contract.kernels.SHORT_PREFILL_TOKENS tokens (a chat's follow-up turn)
+    # A prefill pass of at most model_glue.attention.DECODE_BATCH_MAX_TOKENS tokens (a chat's follow-up turn)
     # runs its attention with the decode kernels, a batch of its tokens each over its own prefix
     # (LlamaModel.prefill_attention); False: the causal prefill kernel (benchmarks compare the two).
     short_prefill_decode_attention: bool = True

@@ -7,9 +7,9 @@ the passes bound to them (model_glue.kernel.DispatchPlan) live on; a growth drop
 from __future__ import annotations
 
 from contract.attention import MAX_SPLITS
-from contract.kernels import SHORT_PREFILL_TOKENS, head_spec
+from contract.kernels import head_spec
 from contract.model import LlamaConfig
-from model_glue.attention import split_workspace_bytes
+from model_glue.attention import DECODE_BATCH_MAX_TOKENS, split_workspace_bytes
 from model_glue.kv_cache import PagedKVCache
 
 # Buffers of one token whatever the pass: the last token's hidden state, its logits, the head's
@@ -22,7 +22,7 @@ ONE_TOKEN_BUFFERS = ("last", "logits", "head_best", "next_id", "xq", "xstats", "
 def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, int]:
     """Bytes of each activation buffer for passes of up to `n` tokens (`e` bytes per element) with a
     KV cache of `capacity` tokens."""
-    queries = min(n, SHORT_PREFILL_TOKENS)
+    queries = min(n, DECODE_BATCH_MAX_TOKENS)
     return {
         "ids": 4 * n, "positions": 4 * n, "slots": 4 * n,
         "x_a": e * n * c.dim, "x_b": e * n * c.dim, "normed": e * n * c.dim,
