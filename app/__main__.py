@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     pre.add_argument("--synthetic", action="store_true", help="random weights of SmolLM2's shape")
     pre.add_argument("--model", type=Path, default=MODEL_ARTIFACT)
     pre.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
+    pre.add_argument("--follow-ups", type=_int_list, help="also follow-up turns of these lengths after a first turn "
+                     "of up to 1,536 tokens, their attention by the prefill kernel and as a decode batch")
     pre.add_argument("--json", type=Path)
 
     page = bench_sub.add_parser(

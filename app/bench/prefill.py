@@ -21,6 +21,20 @@ from model_glue.loading import load_model
 from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
+FIRST_TURN = 1536  # the tokens before a follow-up turn (chat.prefill_check.prefill_benchmark)
+
+
+async def follow_ups(model, lengths: list[int], decode_ms: float | None) -> list[dict]:
+    """Follow-up turns of these lengths after a first turn (up to 1,536 tokens), their attention by
+    the causal prefill kernel and as a decode batch (RunOptions.short_prefill_decode_attention)."""
+    from chat.prefill_check import prefill_benchmark
+
+    rows = (await prefill_benchmark(model, tokens=(), short_turns=tuple(lengths)))["rows"]
+    for r in rows:
+        steps = f"{r['gpu_ms'] / decode_ms:5.1f} decode steps" if decode_ms and r["gpu_ms"] else ""
+        print(f"{r['turn']:>26} {r['tokens']:>3} tokens: GPU {r['gpu_ms']:8.2f} ms (attention {r['attention_ms']:7.2f}) "
+              f"{steps}  [{r['kernel']}]", flush=True)
+    return rows
 
 
 def matmul_flops_per_token(c) -> int:
@@ -38,7 +52,7 @@ def attention_flops(c, prompt: int, cached: int = 0) -> int:
 async def run_prefill_bench(args) -> dict:
     device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
-    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max(args.prompts) + 16),
+    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max(args.prompts + [FIRST_TURN + max(args.follow_ups or [0])]) + 16),
                              dtype=None if args.dtype == "auto" else args.dtype)
     c = model.config
     chunks = args.chunks or [model.options.prefill_chunk]
@@ -98,6 +112,8 @@ async def run_prefill_bench(args) -> dict:
               + ", ".join(f"{r['prompt']}: {r['gpu_ms'] / decode_ms:.1f}" for r in rows if r["gpu_ms"]), flush=True)
     result = {"adapter": device.adapter_name, "model": weights, "dtype": model.dtype, "prefill_matmuls": matmuls,
               "decode_step_gpu_ms": decode_ms, "rows": rows}
+    if args.follow_ups:
+        result["follow_ups"] = await follow_ups(model, args.follow_ups, decode_ms)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
