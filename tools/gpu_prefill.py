@@ -30,7 +30,7 @@ def in_page(tab, code: str, timeout: float):
 
 
 def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agreement_tokens: int,
-        context: int, diagnose_only: bool = False) -> dict:
+        context: int, diagnose_only: bool = False, diagnose: bool = True) -> dict:
     httpd, base = start_server()
     browser = gpu_page.Browser(gpu_page.flags_for(flag_set), gpu_page.OUT / "chromium-prefill.log",
                                gpu_page.chromium_env())
@@ -54,10 +54,12 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
                   flush=True)
         attention_ok = [r["ok"] for r in out["check"] if r["role"] == "attention" and r["matrix"]]
         matrix_attention = bool(attention_ok) and all(attention_ok)
-        if attention_ok and not all(attention_ok):
+        passing = None
+        if attention_ok and not all(attention_ok) and diagnose:
             out["diagnosis"], passing = diagnose_attention(tab, timeout)
-            if diagnose_only or passing is None:
+            if diagnose_only:
                 return out
+        if passing is not None:
             label, text = passing  # the rest of the run times the variant that passed every case
             install_attention(tab, text, timeout)
             out["attention_variant"] = label
@@ -197,6 +199,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--diagnose-only", action="store_true",
                         help="where the matrix attention fails its check: the diagnosis, then the next model")
+    parser.add_argument("--no-diagnosis", action="store_true",
+                        help="where the matrix attention fails its check, go on to the benchmarks without diagnosing it")
     parser.add_argument("--context", type=int, default=8192, help="the page's ?context= (the KV cache's tokens)")
     args = parser.parse_args()
     gpu_page.OUT.mkdir(parents=True, exist_ok=True)
@@ -205,7 +209,7 @@ def main() -> int:
     for model in args.models.split(","):
         try:
             out = run(model, args.set, args.rounds, args.tokens, args.timeout, args.agreement_tokens, args.context,
-                      args.diagnose_only)
+                      args.diagnose_only, not args.no_diagnosis)
         except Exception as err:  # noqa: BLE001 (report, go on with the next model)
             print(f"{model}: FAILED {type(err).__name__}: {err}", flush=True)
             out, status = {"model": model, "error": f"{type(err).__name__}: {err}"}, 1
