@@ -60,7 +60,7 @@ def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
     steps = tab.evaluate("window.demoState.steps")
     assert steps[0]["kind"] == "prefill" and steps[0]["context"] == 37  # ChatML prompt, SmolLM2 tokenizer
     assert [s["kind"] for s in steps[1:]] == ["decode"] * (len(steps) - 1)
-    assert steps[0]["nest"] == "prefill"  # the prompt runs the causal prefill kernel
+    assert steps[0]["nest"] == "tiled"  # a prompt of at most 64 tokens: the decode kernels as a batch of its tokens
     assert {s["nest"] for s in steps[1:]} == {"tiled"}  # a short chat stays below 256 tokens
     # attention timed in the prompt, the first decode step and where the context is a multiple of N
     # (RunOptions.time_attention_every); the other steps say why they have none
