@@ -74,12 +74,7 @@ def s_chain(held: bool, arrays: str, out: str) -> str:
             f"    for (var e = tid; e < {ROWS * KEYS}u; e = e + 128u) {{",
             f"      c[u32(t) * {ROWS * KEYS}u + e] = out_tile[(e / {KEYS}u) * {SS}u + e % {KEYS}u];", "    }"] if out == "wg" else []
     return "\n".join([
-        HEADER + "@group(0) @binding(0) var<storage, read> a : array<f32>;",
-        "@group(0) @binding(1) var<storage, read> b : array<f32>;",
-        "@group(0) @binding(2) var<storage, read_write> c : array<f32>;", decl,
-        "@compute @workgroup_size(128, 1, 1)",
-        "fn main(@builtin(local_invocation_index) tid : u32) {",
-        "  let subgroup = tid / 32u;",
+        *kernel_start(decl),
         f"  for (var e = tid; e < {ROWS * D}u; e = e + 128u) {{ {q_arr}[{q_off}u + (e / {D}u) * {QS}u + e % {D}u] = f16(a[e]); }}",
         "  workgroupBarrier();",
         *(["  " + x for x in loads] if held else []),
@@ -89,6 +84,16 @@ def s_chain(held: bool, arrays: str, out: str) -> str:
         "    workgroupBarrier();",
         *([] if held else ["    " + x for x in loads]),
         *body, *copy, "  }", "}", ""])
+
+
+def kernel_start(decl: str) -> list[str]:
+    """Every probe kernel's first lines: a, b in and c out (f32 storage), its workgroup arrays, the entry point."""
+    return [HEADER + "@group(0) @binding(0) var<storage, read> a : array<f32>;",
+            "@group(0) @binding(1) var<storage, read> b : array<f32>;",
+            "@group(0) @binding(2) var<storage, read_write> c : array<f32>;", decl,
+            "@compute @workgroup_size(128, 1, 1)",
+            "fn main(@builtin(local_invocation_index) tid : u32) {",
+            "  let subgroup = tid / 32u;"]
 
 
 def pv_chain(rescale: bool, owner: bool, arrays: str, out: str) -> str:
@@ -132,12 +137,7 @@ def pv_chain(rescale: bool, owner: bool, arrays: str, out: str) -> str:
     else:
         end = [f"  subgroupMatrixStore<row_major>(&c, subgroup * {16 * D}u + {j * 16}u, o{j}, {D}u);" for j in range(frags)]
     return "\n".join([
-        HEADER + "@group(0) @binding(0) var<storage, read> a : array<f32>;",
-        "@group(0) @binding(1) var<storage, read> b : array<f32>;",
-        "@group(0) @binding(2) var<storage, read_write> c : array<f32>;", decl,
-        "@compute @workgroup_size(128, 1, 1)",
-        "fn main(@builtin(local_invocation_index) tid : u32) {",
-        "  let subgroup = tid / 32u;",
+        *kernel_start(decl),
         *[f"  var o{j} = subgroup_matrix_result<f32, 16, 16>();" for j in range(frags)],
         f"  for (var t = 0; t < {TILES}; t = t + 1) {{",
         "    workgroupBarrier();",
