@@ -113,8 +113,8 @@ def _device_kernel_abi(func: tirx.PrimFunc) -> dict:
 # What the WGSL declares, read at build time only (the runtime never parses WGSL).
 _WGSL_SCALAR_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
 BINDING_RE = re.compile(r"@binding\((\d+)\) var<storage, (read|read_write)> (\w+) : array<(\w+|vec\d<\w+>)>")
-_WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|(\w+)), (\d+)>")
-_WORKGROUP_SCALAR_RE = re.compile(r"var<workgroup> \w+ : (?:atomic<(\w+)>|(\w+));")
+_WORKGROUP_RE = re.compile(r"var<workgroup> (\w+) : array<(?:vec(\d)<(\w+)>|atomic<(\w+)>|(\w+)), (\d+)>")
+_WORKGROUP_SCALAR_RE = re.compile(r"var<workgroup> (\w+) : (?:atomic<(\w+)>|(\w+));")
 _POD_STRUCT_RE = re.compile(r"struct PODArgs \{(.*?)\}", re.S)
 _ENABLE_RE = re.compile(r"^enable (\w+);", re.M)
 WGSL_EXTENSION_FEATURES = {"f16": "shader-f16", "subgroups": "subgroups",  # WGSL `enable` -> device feature
@@ -126,13 +126,19 @@ def wgsl_features(wgsl: str) -> list[str]:
     return sorted(WGSL_EXTENSION_FEATURES[ext] for ext in _ENABLE_RE.findall(wgsl))
 
 
+def workgroup_variables(wgsl: str) -> dict[str, int]:
+    """Each `var<workgroup>` array or scalar a WGSL module declares, and its bytes."""
+    sizes = {}
+    for name, lanes, vec_elem, atomic_elem, scalar_elem, count in _WORKGROUP_RE.findall(wgsl):
+        sizes[name] = _WGSL_SCALAR_BYTES[vec_elem or atomic_elem or scalar_elem] * int(lanes or 1) * int(count)
+    for name, atomic, plain in _WORKGROUP_SCALAR_RE.findall(wgsl):
+        sizes[name] = _WGSL_SCALAR_BYTES[atomic or plain]
+    return sizes
+
+
 def workgroup_storage_bytes(wgsl: str) -> int:
     """Bytes of `var<workgroup>` arrays and scalars declared in a WGSL module."""
-    total = 0
-    for _name, lanes, vec_elem, scalar_elem, count in _WORKGROUP_RE.findall(wgsl):
-        elem_bytes = _WGSL_SCALAR_BYTES[vec_elem or scalar_elem] * int(lanes or 1)
-        total += elem_bytes * int(count)
-    return total + sum(_WGSL_SCALAR_BYTES[atomic or plain] for atomic, plain in _WORKGROUP_SCALAR_RE.findall(wgsl))
+    return sum(workgroup_variables(wgsl).values())
 
 
 def pod_struct_fields(wgsl: str) -> list[tuple[str, str]]:

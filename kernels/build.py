@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 import tvm
 from tvm import tirx
 
-from kernels.abi import BINDING_RE, kernel_spec, pod_struct_fields, wgsl_features, workgroup_storage_bytes
-from kernels.wgsl import WgslKernel
+from kernels.abi import (BINDING_RE, kernel_spec, pod_struct_fields, wgsl_features, workgroup_storage_bytes,
+                         workgroup_variables)
+from kernels.wgsl import MATRIX_ALIGN_BYTES, WgslKernel
 from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, BufferSpec, KernelSpec
 from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 
@@ -98,6 +99,11 @@ def build_wgsl_kernel(name: str, kernel: WgslKernel, meta: dict, buffers: tuple[
         problems.append(f"its workgroup size is not {kernel.workgroup_size}")
     if kernel.entry != name or not re.search(rf"\bfn {name}\(", wgsl):
         problems.append(f"it has no entry point {name}")
+    if "chromium-experimental-subgroup-matrix" in wgsl_features(wgsl):
+        unaligned = {var: size for var, size in workgroup_variables(wgsl).items() if size % MATRIX_ALIGN_BYTES}
+        if unaligned:
+            problems.append(f"its workgroup variables {unaligned} (bytes) are not multiples of {MATRIX_ALIGN_BYTES}: "
+                            "the driver may place the fragments' tiles after them, off the alignment their rows need")
     if problems:
         raise ValueError(f"{name}: " + "; ".join(problems))
     spec = KernelSpec(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from contract.kernels import PAGE_SIZE, PREFILL_ATTENTION_BUFFERS
 from kernels.paged_kv import LOG2_E
-from kernels.wgsl import (FRAG, SUBGROUP, WgslKernel, left, matrix_header, result_load, result_store, result_zero,
+from kernels.wgsl import (FRAG, MATRIX_ALIGN_BYTES, SUBGROUP, WgslKernel, left, matrix_header, result_load, result_store, result_zero,
                           right)
 
 SUBGROUPS = 4
@@ -51,6 +51,7 @@ KEYS_PER_LANE = TILE_KEYS // LANES_PER_ROW
 RESCALE_AFTER = 8.0  # log2 units a row's max may grow by before O is rescaled (P stays <= 256 in f16)
 MASKED = -3.0e38  # a score above the diagonal: exp2 of it less any real max is 0
 VEC = 4  # f16 values a q, K/V or output load (vec4<f16>)
+FLAG_WORDS = 4  # a flag's u32s: every workgroup variable a multiple of 16 bytes (kernels.wgsl.MATRIX_ALIGN_BYTES)
 
 
 def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
@@ -70,6 +71,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     assert ROWS * kv_stride <= tile_halves and FRAG * o_stride <= SUBGROUPS * FRAG * S_STRIDE
     assert SUBGROUPS * FRAG * P_STRIDE <= v_at  # P fits over K^T
     assert TILE_KEYS % page_size == 0 or page_size % TILE_KEYS == 0
+    row_bytes = (2 * kv_stride, 2 * KT_STRIDE, 2 * P_STRIDE, 4 * S_STRIDE, 4 * o_stride, 2 * v_at)
+    assert all(b % MATRIX_ALIGN_BYTES == 0 for b in row_bytes), "fragment rows and offsets 16-byte aligned"
     name = f"prefill_attention_matrix_d{D}_kv{H_kv}_qo{H_qo}"
 
     buffers = [(buf, "read_write" if buf == "output" else "read", "int32" if buf == "page_ids" else "float16x4",
@@ -83,8 +86,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         f"var<workgroup> scores : array<f32, {SUBGROUPS * FRAG * S_STRIDE}>;  // each subgroup's S [row][key], or one's O",
         f"var<workgroup> row_factor : array<f32, {ROWS}>;  // a row's O rescale; at the end 1 / its denominator",
         f"var<workgroup> lane_value : array<f32, {THREADS}>;  // what a row's two lanes exchange",
-        "var<workgroup> grown : atomic<u32>;  // some row's max moved in this tile",
-        "var<workgroup> rescale : u32;",
+        f"var<workgroup> grown : array<atomic<u32>, {FLAG_WORDS}>;  // [0]: some row's max moved in this tile",
+        f"var<workgroup> rescale : array<u32, {FLAG_WORDS}>;  // [0]: grown, read uniformly",
         "",
         f"@compute @workgroup_size({THREADS}, 1, 1)",
         f"fn {name}(@builtin(workgroup_id) wid : vec3<u32>, @builtin(local_invocation_index) tid : u32) {{",
@@ -166,7 +169,7 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
               "    let alpha = select(exp2(m - m_new), 0.0f, t == 0);",
               "    if (half == 0u) {",
               "      row_factor[my_row] = alpha;",
-              "      if (moves && t > 0) { atomicOr(&grown, 1u); }",
+              "      if (moves && t > 0) { atomicOr(&grown[0], 1u); }",
               "    }",
               "    m = m_new;",
               "    l = l * alpha;",
@@ -174,8 +177,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     for i in range(KEYS_PER_LANE):
         lines += [f"    {{ let p = exp2(s{i} - m); kv_tile[p_at + {i}u] = f16(p); l = l + p; }}"]
     lines += ["    workgroupBarrier();",
-              "    if (tid == 0u) {", "      rescale = atomicLoad(&grown);", "      atomicStore(&grown, 0u);", "    }",
-              "    if (workgroupUniformLoad(&rescale) != 0u) {  // some row's max moved: scale O's rows"]
+              "    if (tid == 0u) {", "      rescale[0] = atomicLoad(&grown[0]);", "      atomicStore(&grown[0], 0u);", "    }",
+              "    if (workgroupUniformLoad(&rescale[0]) != 0u) {  // some row's max moved: scale O's rows"]
     for owner in range(SUBGROUPS):
         lines += [f"      if (subgroup == {owner}u) {{"]
         lines += ["        " + result_store("scores", f"{j * FRAG}u", f"o{j}", f"{o_stride}u") for j in range(d_frags)]

@@ -17,6 +17,9 @@ from contract.kernels import MATRIX_FRAGMENT, MATRIX_SUBGROUP
 SUBGROUP = MATRIX_SUBGROUP  # invocations a subgroup: the kernels run only where every subgroup has exactly this many
 FRAG = MATRIX_FRAGMENT  # the fragments' M = N = K (an f16 -> f32 subgroup-matrix config the adapter must list)
 MAX_WORKGROUP_STORAGE = 32768  # what the kernels may need (an adapter's maxComputeWorkgroupStorageSize)
+# Fragment loads and stores need 16-byte aligned rows (Vulkan's cooperative-matrix rule), and the
+# driver places workgroup variables in an order of its own: so each variable's size is a multiple of this.
+MATRIX_ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)

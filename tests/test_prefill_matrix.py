@@ -102,6 +102,9 @@ def test_the_build_refuses_wgsl_that_differs_from_its_declared_abi():
         build_wgsl_kernel(spec.name, kernel, {}, spec.buffers[1:], MAX_WORKGROUP_STORAGE)
     with pytest.raises(ValueError, match="workgroup storage"):
         build_wgsl_kernel(spec.name, kernel, {}, spec.buffers, 16384)
+    flag = kernel.wgsl.replace("var<workgroup>", "var<workgroup> flag : atomic<u32>;\nvar<workgroup>", 1)
+    with pytest.raises(ValueError, match=r"\{'flag': 4\} \(bytes\) are not multiples of 16"):
+        build_wgsl_kernel(spec.name, dataclasses.replace(kernel, wgsl=flag), {}, spec.buffers, MAX_WORKGROUP_STORAGE)
 
 
 # -- the tiny model through the matrix builds, emulated ---------------------------------------------------
