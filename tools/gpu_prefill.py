@@ -30,7 +30,7 @@ def in_page(tab, code: str, timeout: float):
 
 
 def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agreement_tokens: int,
-        context: int, diagnose_only: bool = False, diagnose: bool = True) -> dict:
+        context: int, diagnose_only: bool = False, diagnose: bool = True, short_tile_max: tuple[int, ...] = ()) -> dict:
     httpd, base = start_server()
     browser = gpu_page.Browser(gpu_page.flags_for(flag_set), gpu_page.OUT / "chromium-prefill.log",
                                gpu_page.chromium_env())
@@ -81,6 +81,17 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
                           f"{r['turn']:>9} {r['tokens']:>5} tok: GPU "
                           f"{r['gpu_ms']:8.2f} ms (attention {r['attention_ms']:7.2f}) {r['tok_s_gpu'] or 0:9.0f} "
                           f"tok/s, TTFT {r['ttft_ms']:8.1f} ms  [{r['kernel']}]", flush=True)
+        for most in short_tile_max:  # the follow-ups again, the short token tile run by passes of up to `most` tokens
+            bench = in_page(tab, setup + f"import contract.kernels as ck; saved = ck.SHORT_TILE_MAX_TOKENS; "
+                                 f"ck.SHORT_TILE_MAX_TOKENS = {most}\n"
+                                 f"try:\n  out = await pc.prefill_benchmark(model, tokens=(), matrix=None, "
+                                 f"attention_matrix={matrix_attention})\nfinally:\n  ck.SHORT_TILE_MAX_TOKENS = saved\n"
+                                 "json.dumps(out)", timeout)
+            bench["short_tile_max"] = most
+            out["bench"].append(bench)
+            for r in bench["rows"]:
+                print(f"  bench short tile up to {most:>3} tokens {r['turn']:>26} {r['tokens']:>5} tok: GPU "
+                      f"{r['gpu_ms']:8.2f} ms (attention {r['attention_ms']:7.2f})  [{r['kernel']}]", flush=True)
         if agreement_tokens and out["loaded"]["matrix"] and not model.startswith("synthetic"):
             text = (gpu_page.SITE / "static" / "long_document.txt").read_text()
             out["agreement"] = in_page(tab, f"json.dumps(await pc.matrix_agreement(chat, {json.dumps(text)}, "
@@ -114,9 +125,9 @@ def partly_emulated(wgsl: str, emulate: str) -> str:
     o_decls, rest = rest.split("  var m = ", 1)
     loop_head, rest = rest.split("    // S = Q K^T", 1)
     s_part, rest = rest.split("    // this lane's half", 1)
-    softmax, pv_part = rest.split("    if (workgroupUniformLoad(&rescale)", 1)
+    softmax, pv_part = rest.split("    if (workgroupUniformLoad(&rescale", 1)
     parts = {"S": ["  var q0 = " + q_decls, "    // S = Q K^T" + s_part],
-             "PV": ["  var o0 = " + o_decls, "    if (workgroupUniformLoad(&rescale)" + pv_part]}
+             "PV": ["  var o0 = " + o_decls, "    if (workgroupUniformLoad(&rescale" + pv_part]}
 
     def swap(text: str) -> str:
         text = em._LEFT.sub(lambda m: f"load_left_{m[1]}({em.LANE}, ", text)
@@ -202,6 +213,9 @@ def main() -> int:
     parser.add_argument("--no-diagnosis", action="store_true",
                         help="where the matrix attention fails its check, go on to the benchmarks without diagnosing it")
     parser.add_argument("--context", type=int, default=8192, help="the page's ?context= (the KV cache's tokens)")
+    parser.add_argument("--short-tile-max", default="",
+                        help="comma-separated: the follow-up turns again with the matmuls' short token tile run by "
+                             "passes of up to this many tokens (contract.kernels.SHORT_TILE_MAX_TOKENS)")
     args = parser.parse_args()
     gpu_page.OUT.mkdir(parents=True, exist_ok=True)
     gpu_page.ensure_wrapper()
@@ -209,7 +223,8 @@ def main() -> int:
     for model in args.models.split(","):
         try:
             out = run(model, args.set, args.rounds, args.tokens, args.timeout, args.agreement_tokens, args.context,
-                      args.diagnose_only, not args.no_diagnosis)
+                      args.diagnose_only, not args.no_diagnosis,
+                      tuple(int(v) for v in args.short_tile_max.split(",") if v))
         except Exception as err:  # noqa: BLE001 (report, go on with the next model)
             print(f"{model}: FAILED {type(err).__name__}: {err}", flush=True)
             out, status = {"model": model, "error": f"{type(err).__name__}: {err}"}, 1

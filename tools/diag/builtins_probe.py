@@ -12,6 +12,8 @@ S chain (S_t = Q K_t for tiles t = 0, 1; Q 64 x 64, K_t 64 x 32):
   arrays    "apart": Q and K in arrays of their own; "same": one array, disjoint regions;
             "overlap": Q staged where K goes, loaded, then overwritten (the attention's kv_tile)
   out       "wg": results stored to a workgroup f32 array, then copied out; "storage": stored straight out
+  lead      a 4-byte atomic workgroup variable declared before the tiles (the attention's first builds had
+            two): if the driver places it first, every tile starts 4 bytes off 16-byte alignment
 PV chain (O = sum_t r O + P_t V_t; P_t 64 x 32, V_t 32 x 64; O's four fragments held across tiles):
   rescale   O stored to workgroup memory, halved by plain code, loaded back as a result fragment each tile
   owner     that round trip done by one subgroup at a time (under `if (subgroup == k)`), as the attention does
@@ -149,6 +151,13 @@ def pv_chain(rescale: bool, owner: bool, arrays: str, out: str) -> str:
         *mma, "  }", *end, "}", ""])
 
 
+def with_leading_scalar(wgsl: str) -> str:
+    """`wgsl` with a 4-byte atomic declared before its workgroup arrays and touched by every invocation."""
+    at = wgsl.index("var<workgroup>")
+    wgsl = wgsl[:at] + "var<workgroup> flag : atomic<u32>;\n" + wgsl[at:]
+    return wgsl.replace("  let subgroup = tid / 32u;", "  let subgroup = tid / 32u;\n  atomicAdd(&flag, 1u);", 1)
+
+
 def kernels() -> list[dict]:
     out = []
     for held, arrays, where in itertools.product((True, False), ("apart", "same", "overlap"), ("wg", "storage")):
@@ -161,6 +170,8 @@ def kernels() -> list[dict]:
             continue
         out.append({"name": f"PV rescale={rescale:d} owner={owner:d} arrays={arrays} out={where}", "chain": "PV",
                     "wgsl": pv_chain(rescale, owner, arrays, where), "c_size": ROWS * D})
+    for k in [k for k in out if k["name"] in ("S held=1 arrays=overlap out=wg", "PV rescale=1 owner=1 arrays=same out=wg")]:
+        out.append(dict(k, name=k["name"] + " lead=1", wgsl=with_leading_scalar(k["wgsl"])))
     return out
 
 
