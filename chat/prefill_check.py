@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
-from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, SHORT_PREFILL_TOKENS, llama_kernels, prefill_matmul_role
+from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, llama_kernels, prefill_matmul_role, short_token_tile
 from contract.model import DTYPE_BYTES
 from model_glue.attention import DECODE_BATCH_MAX_TOKENS
 
@@ -138,7 +138,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
                 for buffer in uploaded.values():
                     device.destroy(buffer)
             row = {"role": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
-                   "tile": "short" if n <= SHORT_PREFILL_TOKENS else "long", "in_features": spec.in_features,
+                   "tile": "short" if short_token_tile(n) else "long", "in_features": spec.in_features,
                    "rows": CHECK_ROWS, "samples": len(inputs.places), "rel_l2": error,
                    "ok": error <= TOLERANCE[model.dtype]}
             rows.append(row)

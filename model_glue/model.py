@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 from contract.attention import MATRIX_PREFILL, AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import (SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes,
-                              o_merges_splits, prefill_matrix)
+from contract.kernels import (PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x,
+                              matmul_subgroup_lanes, o_merges_splits, prefill_matrix, short_token_tile)
 from model_glue.attention import DECODE_BATCH_MAX_TOKENS, AttentionKernels, choose_decode_attention
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -222,7 +222,7 @@ class LlamaModel:
         """Which prefill matmuls a pass of n tokens runs, as the overlay names them ("" for one token)."""
         if n == 1:
             return ""
-        tile = "32-token" if n <= SHORT_PREFILL_TOKENS else "128-token"
+        tile = f"{SHORT_PREFILL_TOKENS if short_token_tile(n) else PREFILL_TOKEN_TILE}-token"
         return f"{'subgroup-matrix' if self.runs_prefill_matrix() else 'scalar'} matmuls, {tile} tiles"
 
     def quantizer_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
