@@ -135,7 +135,7 @@ O_MERGE_MAX_X = 4 * MATMUL_ROWS * 32  # a 4-wide chunk for each of the workgroup
 # epsilon, the head counts or the RoPE base and scaling. A model whose every kernel name
 # (`llama_kernels(c, dtype)[role].name`) is in the artifact runs, whatever config it comes from.
 def rope_values(n_heads: int, n_kv_heads: int, head_dim: int, theta: float, scaling: tuple | None) -> dict:
-    """The runtime values of the kernels that apply RoPE (kernels.llama.rope_inv_freq): the head
+    """The runtime values of the kernels that apply RoPE (kernels.layer_ops.rope_inv_freq): the head
     counts, theta's exponent per pair, and Llama 3's scaling (factor, low, high, original context)
     as the kernel uses it. Whether there is a scaling at all is compiled in (`rope_tag`)."""
     values = {"q_heads": n_heads, "kv_heads": n_kv_heads, "rope_exponent": -math.log2(theta) / head_dim}
@@ -176,7 +176,7 @@ class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
     scale), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
     the SwiGLU after it (W holds the gate rows, then the up rows), a residual add (`resid`).
-    Decode passes run kernels.llama.quantized_matmul (one token); prefill passes (`tiled`) run
+    Decode passes run kernels.decode_matmul.quantized_matmul (one token); prefill passes (`tiled`) run
     kernels.prefill_matmul (tiles of tokens x weight rows, q4 only).
 
     The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread (and the
@@ -202,12 +202,12 @@ class MatmulSpec:
     # with the merge kernel's arithmetic and its rounding to dtype. It replaces the merge dispatch.
     split_head_dim: int | None = None
     # The decode matmul's lanes whose partial dots meet by subgroup shuffles before workgroup memory
-    # (a power of two up to 32, or None: none; kernels.llama.quantized_matmul). It runs where the
+    # (a power of two up to 32, or None: none; kernels.decode_matmul.quantized_matmul). It runs where the
     # adapter's subgroups hold at least this many invocations (model_glue.loading.pick_matmul_subgroup_lanes).
     subgroup_lanes: int | None = None
     # A decode q4 matmul whose x comes as int8 codes with per-chunk stats (xq, xstats: made by a
     # quantize_x dispatch, which also applies the norm's weight or merges a split call) and whose
-    # dots are integer dot products (kernels.llama.quantized_matmul).
+    # dots are integer dot products (kernels.decode_matmul.quantized_matmul).
     int8_x: bool = False
     # The epilogue also writes y's int8 codes and stats (yq, ystats) for the next int8_x matmul, as
     # its quantize dispatch would (but sum x^2, 0: the next matmul, down, has no norm): where a

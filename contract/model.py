@@ -67,7 +67,7 @@ class LlamaConfig:
 def rope_frequency_divisors(c: LlamaConfig) -> list[float]:
     """Per rotated pair i, what theta^(-2i/head_dim) is divided by: 1 without RoPE scaling; with Llama
     3's, 1 for short wavelengths, `factor` for long ones and a smooth blend between (llama.cpp stores
-    these as the rope_freqs tensor; kernels.llama.rope_and_append computes the same in f32)."""
+    these as the rope_freqs tensor; kernels.layer_ops.rope_and_append computes the same in f32)."""
     pairs = c.head_dim // 2
     if c.rope_scaling is None:
         return [1.0] * pairs

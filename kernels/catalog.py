@@ -23,7 +23,7 @@ from contract.kernels import (MATRIX_FRAGMENT, PREFILL_TOKEN_TILE, QUANTIZED_X, 
                               WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPE_TAGS, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS,
                             SYNTHETIC_DTYPES, TEST_MODEL_CONFIGS, AttentionShape, LlamaConfig)
-from kernels import llama
+from kernels import decode_matmul, layer_ops, sampling
 from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
 from kernels.prefill_attention import prefill_attention, prefill_layout
@@ -44,10 +44,11 @@ BUILDERS = {
     "tiled": decode_attention_tiled, "merge": decode_attention_merge, "prefill_attention": prefill_attention,
     "prefill_attention_matrix": matrix_prefill_attention,
     "quantized_matmul_tiled": quantized_matmul_tiled, "prefill_matmul_matrix": matrix_matmul,
-    "embedding_q8": llama.embedding_q8, "rms_norm": llama.rms_norm, "quantized_matmul": llama.quantized_matmul,
-    "rope_and_append": llama.rope_and_append, "swiglu": llama.swiglu,
-    "argmax_partials": llama.argmax_partials,
-    "sample_top_k_top_p": llama.sample_top_k_top_p,
+    "embedding_q8": layer_ops.embedding_q8, "rms_norm": layer_ops.rms_norm,
+    "quantized_matmul": decode_matmul.quantized_matmul,
+    "rope_and_append": layer_ops.rope_and_append, "swiglu": layer_ops.swiglu,
+    "argmax_partials": sampling.argmax_partials,
+    "sample_top_k_top_p": sampling.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
     "gguf_repack": gguf_repack, "quantize_x": quantize_x,
 }
@@ -274,7 +275,7 @@ TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, sw
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
 
 
-# The decode matmul (kernels.llama.quantized_matmul) on the Llama shapes' row widths, with one, two and
+# The decode matmul (kernels.decode_matmul.quantized_matmul) on the Llama shapes' row widths, with one, two and
 # four weight rows a thread (contract.kernels.MatmulSpec.rows_per_thread: two where enough rows remain
 # for PAIRED_MIN_WORKGROUPS workgroups, four for QUAD_MIN_WORKGROUPS; SwiGLU's gate and up rows in one
 # thread), named by it.

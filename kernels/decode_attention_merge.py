@@ -75,7 +75,7 @@ def merge_split_states(partial_o, partial_stats, b, h, c, num_splits, stat, o_ac
     denominator) and o_acc (O, not yet divided): an online softmax over splits, MERGE_UNROLL splits
     per step with their loads issued together (an index past S is clamped to S - 1 and its weight
     set to 0, so no load waits on a branch). split_max, split_sum and split_o are the caller's
-    local (MERGE_UNROLL,) f32, f32, f32x4 buffers. Also the merging o-projection's (kernels.llama)."""
+    local (MERGE_UNROLL,) f32, f32, f32x4 buffers. Also the merging o-projection's (kernels.decode_matmul)."""
     stat[0] = T.float32(MASKED_SCORE)
     stat[1] = T.float32(0)
     o_acc[0] = T.Broadcast(T.float32(0), VEC)

@@ -1,7 +1,7 @@
 """The prefill pass's 4-bit matmul: a tile of tokens x a tile of weight rows per workgroup.
 
-y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama), with the same
-folds as the decode matmul (kernels.llama.quantized_matmul): the RMSNorm before it (`norm_eps`) and
+y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama_common), with the same
+folds as the decode matmul (kernels.decode_matmul.quantized_matmul): the RMSNorm before it (`norm_eps`) and
 the SwiGLU after it (`swiglu`). The decode step keeps the one-token kernel; this one serves chunks
 of many tokens, where each weight should be read once per TOKENS tokens, not once per 8.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import PREFILL_TILE_ROWS, MatmulSpec
-from kernels.llama import BLOCK
+from kernels.llama_common import BLOCK
 from kernels.paged_kv import VEC
 
 ROWS = 64  # weight rows per tile

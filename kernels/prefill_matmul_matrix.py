@@ -1,6 +1,6 @@
 """The prefill pass's 4-bit matmul on subgroup matrices (the tensor cores), written as WGSL.
 
-y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama), with the folds
+y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama_common), with the folds
 of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the SwiGLU
 after it (`swiglu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
 

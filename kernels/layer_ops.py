@@ -1,0 +1,182 @@
+"""The layer's small kernels: the Q8 embedding, RMSNorm (CPU rasterizers: GPUs fold it into the next
+matmul), RoPE with the K/V append, SwiGLU (CPU rasterizers: GPUs fold it into gate/up's epilogue).
+The packing and conventions: kernels.llama_common."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from contract.kernels import PAGE_SIZE
+from kernels.llama_common import BLOCK, THREADS, sign_extend_byte
+
+
+def embedding_q8(dim: int, dtype: str):
+    """out[i, :] = dequantized row ids[i] of the Q8 embedding. One workgroup per token; the
+    vocabulary is a runtime size."""
+    WORDS = dim // 4
+    WORD_TRIPS = (WORDS + THREADS - 1) // THREADS
+
+    @T.prim_func(s_tir=True)
+    def embedding(ids_h: T.handle, q8_h: T.handle, scale_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        vocab = T.int32()
+        ids = T.match_buffer(ids_h, (n,), "int32")
+        q8 = T.match_buffer(q8_h, (vocab, WORDS), "uint32")
+        scale = T.match_buffer(scale_h, (vocab, dim // BLOCK), "float32")
+        out = T.match_buffer(out_h, (n, dim), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("embedding"):
+                    T.reads()
+                    T.writes()
+                    row: T.let[T.int32] = ids[i]
+                    for trip in T.serial(WORD_TRIPS):
+                        w: T.let[T.int32] = trip * THREADS + t
+                        if w < WORDS:
+                            word: T.let[T.uint32] = q8[row, w]
+                            s: T.let[T.float32] = scale[row, w * 4 // BLOCK]
+                            for k in T.unroll(4):
+                                out[i, w * 4 + k] = T.Cast(dtype, T.Cast("float32", sign_extend_byte(word, k)) * s)
+
+    return embedding
+
+
+def rms_norm(dim: int, dtype: str):
+    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row (CPU rasterizers only: GPUs
+    fold the norm into the matmul that consumes it)."""
+    TRIPS = (dim + THREADS - 1) // THREADS
+    LEVELS = THREADS.bit_length() - 1
+
+    @T.prim_func(s_tir=True)
+    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle, eps: T.float32):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        x = T.match_buffer(x_h, (n, dim), dtype)
+        weight = T.match_buffer(weight_h, (dim,), "float32")
+        out = T.match_buffer(out_h, (n, dim), dtype)
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rms_norm"):
+                    T.reads()
+                    T.writes()
+                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            v: T.let[T.float32] = T.Cast("float32", x[i, trip * THREADS + t])
+                            acc[0] = acc[0] + v * v
+                    partial[t] = acc[0]
+                    for level in T.unroll(LEVELS):
+                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+                        if t < half:
+                            partial[t] = partial[t] + partial[t + half]
+                    inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + eps)
+                    for trip in T.unroll(TRIPS):
+                        if trip * THREADS + t < dim:
+                            out[i, trip * THREADS + t] = T.Cast(
+                                dtype, T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t])
+
+    return rms_norm_kernel
+
+
+
+def rope_inv_freq(pair, exponent, scaling=None):
+    """The rotation frequency of adjacent pair `pair` of a head, f32, from the runtime values of
+    contract.kernels.rope_values: theta^(-2 pair / D) = exp2(2 pair * exponent), then (`scaling`: the
+    values inv_factor, ratio, low, span) Llama 3's scaling, (1 - s) * inv_factor + s times it,
+    s = clamp((ratio * inv_freq - low) / span, 0, 1) with ratio = original context / (2 pi) and
+    span = high - low (contract.model.rope_frequency_divisors)."""
+    inv_freq = T.exp2(T.Cast("float32", 2 * pair) * exponent)
+    if scaling is None:
+        return inv_freq
+    inv_factor, ratio, low, span = scaling
+    smooth = T.min(T.max((inv_freq * ratio - low) / span, T.float32(0)), T.float32(1))
+    return inv_freq * ((T.float32(1) - smooth) * inv_factor + smooth)
+
+
+def rope_and_append(head_dim: int, dtype: str, scaled: bool, page_size: int = PAGE_SIZE):
+    """Adjacent-pair RoPE on q and k of a fused qkv row, then K and V written into their page slot.
+    The head counts and RoPE's base and scaling are runtime values (contract.kernels.rope_values);
+    whether there is a scaling is compiled in (`scaled`).
+
+    qkv[n, (H + 2 H_kv) * D] -> q[n, H, D] (rotated), pages[slot // 16, 0|1, kv_head, slot % 16, :].
+    GGUFs permute their Q/K weights for adjacent pairs (x[2i], x[2i+1]). With Llama 3's
+    `rope_scaling` (factor, low, high, original context) a pair's frequency is scaled by
+    (1 - s) / factor + s, s = clamp((original / wavelength - low) / (high - low), 0, 1)
+    (contract.model.rope_frequency_divisors).
+    """
+    D = head_dim
+
+    @T.prim_func(s_tir=True)
+    def rope_append(qkv_h: T.handle, positions_h: T.handle, slots_h: T.handle, pages_h: T.handle, q_h: T.handle,
+                    rope_exponent: T.float32, rope_inv_factor: T.float32, rope_ratio: T.float32,
+                    rope_low: T.float32, rope_span: T.float32):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        num_pages = T.int32()
+        q_heads = T.int32()
+        kv_heads = T.int32()
+        pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, page_size, D), dtype)
+        q = T.match_buffer(q_h, (n, q_heads, D), dtype)
+        qkv = T.match_buffer(qkv_h, (n, (q_heads + 2 * kv_heads) * D), dtype)
+        positions = T.match_buffer(positions_h, (n,), "int32")
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rope_append"):
+                    T.reads()
+                    T.writes()
+                    page: T.let[T.int32] = slots[i] // page_size
+                    slot: T.let[T.int32] = slots[i] % page_size
+                    for trip in T.serial(T.ceildiv((q_heads + kv_heads) * (D // 2), THREADS)):
+                        p: T.let[T.int32] = trip * THREADS + t
+                        if p < (q_heads + kv_heads) * (D // 2):  # rotated pairs: q heads, then k heads
+                            head: T.let[T.int32] = p // (D // 2)
+                            pair: T.let[T.int32] = p % (D // 2)
+                            x0: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair])
+                            x1: T.let[T.float32] = T.Cast("float32", qkv[i, head * D + 2 * pair + 1])
+                            inv_freq: T.let[T.float32] = rope_inv_freq(
+                                pair, rope_exponent, (rope_inv_factor, rope_ratio, rope_low, rope_span) if scaled else None)
+                            angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
+                            c: T.let[T.float32] = T.cos(angle)
+                            sn: T.let[T.float32] = T.sin(angle)
+                            if head < q_heads:
+                                q[i, head, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
+                                q[i, head, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
+                            else:
+                                pages[page, 0, head - q_heads, slot, 2 * pair] = T.Cast(dtype, x0 * c - x1 * sn)
+                                pages[page, 0, head - q_heads, slot, 2 * pair + 1] = T.Cast(dtype, x0 * sn + x1 * c)
+                    for trip in T.serial(T.ceildiv(kv_heads * D, THREADS)):
+                        e: T.let[T.int32] = trip * THREADS + t
+                        if e < kv_heads * D:
+                            pages[page, 1, e // D, slot, e % D] = qkv[i, (q_heads + kv_heads) * D + e]
+
+    return rope_append
+
+
+def swiglu(dtype: str):
+    """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j] (CPU rasterizers only: GPUs fold it into
+    the gate/up matmul's epilogue); the FFN width is a runtime size."""
+
+    @T.prim_func(s_tir=True)
+    def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        ffn_dim = T.int32()
+        h = T.match_buffer(h_h, (n, ffn_dim), dtype)
+        gate_up = T.match_buffer(gate_up_h, (n, 2 * ffn_dim), dtype)
+        for jb in T.thread_binding(T.ceildiv(ffn_dim, THREADS), thread="blockIdx.x"):
+            for i in T.thread_binding(n, thread="blockIdx.y"):
+                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    with T.sblock("swiglu"):
+                        T.reads()
+                        T.writes()
+                        j: T.let[T.int32] = jb * THREADS + t
+                        if j < ffn_dim:
+                            g: T.let[T.float32] = T.Cast("float32", gate_up[i, j])
+                            h[i, j] = T.Cast(dtype, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", gate_up[i, ffn_dim + j]))
+
+    return swiglu_kernel
+
