@@ -1,7 +1,8 @@
 """Loading a converted model: the manifest and its checks, the weights (sha256, upload), the kernels.
 
-`load_model` is the one way in: it refuses an artifact or an adapter that cannot run the model
-before it reads the weights, then hands a ready `LlamaModel` back.
+Three ways in, one for each source: `load_model` (a converted artifact), `load_gguf_model` (a user's
+GGUF) and `load_synthetic_model` (a shape with random weights). Each refuses what the adapter cannot
+run before it reads the weights, then hands a ready `LlamaModel` back.
 """
 
 from __future__ import annotations

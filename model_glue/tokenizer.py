@@ -1,4 +1,4 @@
-"""Run-time byte-level BPE tokenizer for SmolLM2, in pure standard-library Python.
+"""Run-time byte-level BPE tokenizer (every BPE GGUF the runtime serves), in pure standard-library Python.
 
 It runs in Pyodide as well as natively, so it cannot use `tokenizers`, numpy or the `regex` module.
 It reads the `tokenizer.json` that `convert.tokenizer` writes from the model GGUF and must
@@ -119,7 +119,7 @@ def special_token_pattern(special_tokens) -> "re.Pattern | None":
 
 
 class BPETokenizer(SpecialsFirst):
-    """Byte-level BPE with SmolLM2's pre-tokenizer; `encode` matches HF `tokenizers` id for id."""
+    """Byte-level BPE with GPT-2's or Llama 3's pre-tokenizer; `encode` matches HF `tokenizers` id for id."""
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
                  *, individual_digits: bool = True, add_prefix_space: bool = False,
