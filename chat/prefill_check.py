@@ -138,7 +138,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
                 for buffer in uploaded.values():
                     device.destroy(buffer)
             row = {"role": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
-                   "tile": "short" if short_token_tile(n) else "long", "in_features": spec.in_features,
+                   "tile": "short" if short_token_tile(n, matrix) else "long", "in_features": spec.in_features,
                    "rows": CHECK_ROWS, "samples": len(inputs.places), "rel_l2": error,
                    "ok": error <= TOLERANCE[model.dtype]}
             rows.append(row)
@@ -336,15 +336,15 @@ async def time_prefill_kernels(model, tokens=TIMED_TOKENS) -> list[dict]:
 
 
 async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(8, 37, 64), matrix=None,
-                            attention_matrix: bool = False, seed: int = 0) -> dict:
+                            attention_matrix: bool | None = None, seed: int = 0) -> dict:
     """The prefill as a chat turn meets it, with the model's options (`matrix`: RunOptions.prefill_matrix
-    for this run, `attention_matrix`: RunOptions.prefill_attention_matrix): for each prompt length a first turn of random ids (in the model's chunks), its GPU
+    for this run, `attention_matrix`: RunOptions.prefill_attention_matrix; None: the model's): for each prompt length a first turn of random ids (in the model's chunks), its GPU
     ms (summed over its passes, attention apart) and tokens per GPU second, and the wall time to its
     first token; then, after a 1,536-token first turn, a follow-up turn of each short length, its
     attention run by the causal prefill kernel and as a decode batch (RunOptions.short_prefill_decode_attention)."""
     from model_glue.generate import generate
 
-    options = None if matrix is None and not attention_matrix else \
+    options = None if matrix is None and attention_matrix is None else \
         replace(model.options, prefill_matrix=model.options.prefill_matrix if matrix is None else matrix,
                 prefill_attention_matrix=attention_matrix)
     rng = random.Random(seed)

@@ -22,13 +22,10 @@ rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. 
   those rows. The first tile (which holds position 0, seen by every row) sets m without one.
 - The end passes O through workgroup memory the same way, divided by the row's denominator.
 
-On an H200 it fails the page's float64 check while the same WGSL with its builtins emulated passes
-there (docs/benchmarks.md), so the runtime runs it only where asked for
-(RunOptions.prefill_attention_matrix).
-
 Workgroup storage: the K and V tiles (the Q stage before them, P over K), each subgroup's S (f32,
-also its O when O passes through), one factor and one exchanged value a row: under 29 KiB at
-head_dim 128.
+also its O when O passes through), one factor and one exchanged value a row, two flags: under 29 KiB
+at head_dim 128. Every variable is a multiple of 16 bytes and every fragment row and offset 16-byte
+aligned (kernels.wgsl.MATRIX_ALIGN_BYTES).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class LlamaModel:
         choices = [AttentionChoice("tiled"), AttentionChoice("sharded", layout, 1)]
         choices += [AttentionChoice("sharded", layout, 2)] if split else []
         choices += [AttentionChoice("prefill")] if self.attention.prefill else []
-        choices += [PREFILL_ON_MATRICES] if self.run.prefill_attention_matrix else []
+        choices += [PREFILL_ON_MATRICES] if self.runs_prefill_attention_matrix() else []
         try:
             names = {name for choice in choices for name in self.attention.kernel_names(choice)}
         except ValueError as err:
@@ -154,6 +154,7 @@ class LlamaModel:
             raise ModelError(f"prefill_matrix was asked for, but {self.prefill_matrix_why_not or 'it was not loaded'}")
         if run.prefill_attention_matrix:
             self.check_prefill_attention_matrix(run)
+        if self.runs_prefill_attention_matrix(run):
             await self._compile_attention_kernels(self.attention.kernel_names(PREFILL_ON_MATRICES))
         await self.compile_roles(run.fold_norms, sampling is None or sampling.greedy)
         if run.layout is not None:
@@ -189,9 +190,17 @@ class LlamaModel:
         folded (the only roles built so), where the model loaded them."""
         return self.matmul_int8_x and n == 1 and self.run.fold_norms
 
-    def runs_prefill_matrix(self) -> bool:
+    def runs_prefill_matrix(self, run: RunOptions | None = None) -> bool:
         """Whether prefill passes run the matmuls' subgroup-matrix builds (RunOptions.prefill_matrix)."""
-        return bool(self.run.prefill_matrix) and self.has_prefill_matrix and self.run.fold_norms
+        run = run or self.run
+        return bool(run.prefill_matrix) and self.has_prefill_matrix and run.fold_norms
+
+    def runs_prefill_attention_matrix(self, run: RunOptions | None = None) -> bool:
+        """Whether long prefill passes run the attention's subgroup-matrix build
+        (RunOptions.prefill_attention_matrix): beside the matmuls' and where the artifact has it."""
+        run = run or self.run
+        return run.prefill_attention_matrix is not False and self.runs_prefill_matrix(run) \
+            and bool(self.attention.prefill_matrix)
 
     def check_prefill_attention_matrix(self, run: RunOptions) -> None:
         """A ModelError where RunOptions.prefill_attention_matrix asks for what cannot run: it runs
@@ -209,12 +218,11 @@ class LlamaModel:
         (RunOptions.short_prefill_decode_attention, at most DECODE_BATCH_MAX_TOKENS) runs the decode
         nests' kernels as a batch of its n tokens, each a query over its own prefix: the causal
         prefill kernel gives a KV head one workgroup for those few rows and walks the whole cached
-        context serially. Else the causal prefill kernel: its subgroup-matrix build where asked for
-        (RunOptions.prefill_attention_matrix), beside the matmuls' (`runs_prefill_matrix`), and the
-        artifact has one for the shape."""
+        context serially. Else the causal prefill kernel: its subgroup-matrix build where it runs
+        (`runs_prefill_attention_matrix`)."""
         if n <= DECODE_BATCH_MAX_TOKENS and self.run.short_prefill_decode_attention:
             return self._choose(query_contexts(n, start))
-        if self.run.prefill_attention_matrix and self.runs_prefill_matrix() and self.attention.prefill_matrix:
+        if self.runs_prefill_attention_matrix():
             return PREFILL_ON_MATRICES
         return AttentionChoice("prefill")
 
@@ -222,8 +230,9 @@ class LlamaModel:
         """Which prefill matmuls a pass of n tokens runs, as the overlay names them ("" for one token)."""
         if n == 1:
             return ""
-        tile = f"{SHORT_PREFILL_TOKENS if short_token_tile(n) else PREFILL_TOKEN_TILE}-token"
-        return f"{'subgroup-matrix' if self.runs_prefill_matrix() else 'scalar'} matmuls, {tile} tiles"
+        matrix = self.runs_prefill_matrix()
+        tile = f"{SHORT_PREFILL_TOKENS if short_token_tile(n, matrix) else PREFILL_TOKEN_TILE}-token"
+        return f"{'subgroup-matrix' if matrix else 'scalar'} matmuls, {tile} tiles"
 
     def quantizer_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
         """Whether a pass of n tokens merges the split call in the o-projection's quantizer (int8_x:

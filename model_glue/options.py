@@ -87,10 +87,10 @@ class RunOptions:
     # folded norms). None: wherever loaded; True: required (an error where they were not loaded, with
     # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
     prefill_matrix: bool | None = None
-    # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix) beside those
-    # matmuls (an error where they do not run). Off unless asked for: it fails the float64 check on an
-    # H200 (docs/benchmarks.md); the page's check (chat.prefill_check) runs it either way.
-    prefill_attention_matrix: bool = False
+    # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix). None: wherever
+    # those matmuls run and the artifact has it for the shape; True: required (an error where it cannot
+    # run, with the reason); False: the scalar causal kernel (benchmarks and the check compare the two).
+    prefill_attention_matrix: bool | None = None
     # A prefill pass of at most model_glue.attention.DECODE_BATCH_MAX_TOKENS tokens (a chat's follow-up turn)
     # runs its attention with the decode kernels, a batch of its tokens each over its own prefix
     # (LlamaModel.prefill_attention); False: the causal prefill kernel (benchmarks compare the two).
@@ -115,10 +115,11 @@ class RunOptions:
                                                       or self.time_attention_every < 0):
             raise ModelError(f"time_attention_every must be 0 (never), 1 (every step) or N, "
                              f"not {self.time_attention_every!r}")
-        flags = ("replay", "prefill_attention_matrix", "short_prefill_decode_attention")
+        flags = ("replay", "short_prefill_decode_attention")
         if not all(isinstance(getattr(self, f), bool) for f in flags) or any(
                 getattr(self, f) not in (None, True, False)
-                for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups", "matmul_int8_x", "prefill_matrix")):
+                for f in ("fold_norms", "warm_up", "merge_in_o", "matmul_subgroups", "matmul_int8_x", "prefill_matrix",
+                          "prefill_attention_matrix")):
             raise ModelError("replay, fold_norms, warm_up, merge_in_o, matmul_subgroups, matmul_int8_x, "
                              "prefill_matrix, prefill_attention_matrix and short_prefill_decode_attention are true or false")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -151,10 +152,10 @@ class RunOptions:
                 raise ModelError(f"{load_time} is chosen when the model loads ({getattr(self, load_time)}); "
                                  f"load it again for {getattr(request, load_time)}")
         return replace(self, attention=request.attention, layout=request.layout, replay=request.replay,
-                       prefill_attention_matrix=request.prefill_attention_matrix,
                        short_prefill_decode_attention=request.short_prefill_decode_attention,
                        **{f: getattr(request, f) for f in ("fold_norms", "prefill_chunk", "pipeline_depth", "time_attention_every", "merge_in_o",
-                                                    "prefill_matrix") if getattr(request, f) is not None})
+                                                    "prefill_matrix", "prefill_attention_matrix")
+                          if getattr(request, f) is not None})
 
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":

@@ -159,20 +159,20 @@ def tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_d
 
 
 def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tiny_dir, tiny_reference):
-    """f16: a 40-token prompt (128-token tiles), then a 20-token turn (32-token tiles), through the
-    matrix builds of the matmuls and (asked for) of attention; the logits as close to the f64 reference as the
-    scalar kernels' (their W is f16 too); the overlay's prefill rows name the path; a request for the
-    scalar kernels runs them. (The short turn's attention is held to the prefill kernel: by default
-    the decode kernels run it, RunOptions.short_prefill_decode_attention.)"""
+    """f16: a 70-token prompt (128-token tiles), then a 40-token turn (two 32-token tiles), through the
+    matrix builds of the matmuls and (by default, beside them) of attention; the logits as close to the
+    f64 reference as the scalar kernels' (their W is f16 too); the overlay's prefill rows name the path;
+    a request for the scalar kernels runs them. (The short turn's attention is held to the prefill
+    kernel: by default the decode kernels run it, RunOptions.short_prefill_decode_attention.)"""
     model = tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir,
-                                      prefill_attention_matrix=True, short_prefill_decode_attention=False)
+                                      short_prefill_decode_attention=False)
     assert model.has_prefill_matrix and model.options.prefill_matrix is True
     assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
         matrix_roles(llama_kernels(TINY, "float16")))
     rng = np.random.default_rng(5)
     tiny_reference.reset()
     history = []
-    for turn, (n, tiles) in enumerate([(40, "128-token"), (20, "32-token")]):
+    for turn, (n, tiles) in enumerate([(70, "128-token"), (40, "32-token")]):
         prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, n)]
         position = len(history)
         token = loop.run_until_complete(model.forward(prompt))
@@ -182,14 +182,14 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
         assert model.stats[-1].kernel == f"prefill (subgroup-matrix) · subgroup-matrix matmuls, {tiles} tiles"
         history += prompt
         assert token == int(np.argmax(got))
-    # the matrix attention only where asked for (RunOptions.prefill_attention_matrix), then no matrix build
+    # the scalar attention where asked for (RunOptions.prefill_attention_matrix), then no matrix build
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_attention_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · subgroup-matrix matmuls, 32-token tiles"
     with pytest.raises(ModelError, match="it runs only beside the subgroup-matrix matmuls"):
-        loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
-    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False,
-                                                          prefill_attention_matrix=False)))
+        loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False,
+                                                              prefill_attention_matrix=True)))
+    loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · scalar matmuls, 32-token tiles"
 

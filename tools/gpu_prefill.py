@@ -30,7 +30,8 @@ def in_page(tab, code: str, timeout: float):
 
 
 def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agreement_tokens: int,
-        context: int, diagnose_only: bool = False, diagnose: bool = True, short_tile_max: tuple[int, ...] = ()) -> dict:
+        context: int, diagnose_only: bool = False, diagnose: bool = True, short_tile_max: tuple[int, ...] = (),
+        force_diagnosis: bool = False) -> dict:
     httpd, base = start_server()
     browser = gpu_page.Browser(gpu_page.flags_for(flag_set), gpu_page.OUT / "chromium-prefill.log",
                                gpu_page.chromium_env())
@@ -55,7 +56,7 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
         attention_ok = [r["ok"] for r in out["check"] if r["role"] == "attention" and r["matrix"]]
         matrix_attention = bool(attention_ok) and all(attention_ok)
         passing = None
-        if attention_ok and not all(attention_ok) and diagnose:
+        if attention_ok and (not all(attention_ok) or force_diagnosis) and diagnose:
             out["diagnosis"], passing = diagnose_attention(tab, timeout)
             if diagnose_only:
                 return out
@@ -82,10 +83,12 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
                           f"{r['gpu_ms']:8.2f} ms (attention {r['attention_ms']:7.2f}) {r['tok_s_gpu'] or 0:9.0f} "
                           f"tok/s, TTFT {r['ttft_ms']:8.1f} ms  [{r['kernel']}]", flush=True)
         for most in short_tile_max:  # the follow-ups again, the short token tile run by passes of up to `most` tokens
-            bench = in_page(tab, setup + f"import contract.kernels as ck; saved = ck.SHORT_TILE_MAX_TOKENS; "
-                                 f"ck.SHORT_TILE_MAX_TOKENS = {most}\n"
+            bench = in_page(tab, setup + "import contract.kernels as ck\n"
+                                 "saved = ck.SHORT_TILE_MAX_TOKENS, ck.MATRIX_SHORT_TILE_MAX_TOKENS\n"
+                                 f"ck.SHORT_TILE_MAX_TOKENS = ck.MATRIX_SHORT_TILE_MAX_TOKENS = {most}\n"
                                  f"try:\n  out = await pc.prefill_benchmark(model, tokens=(), matrix=None, "
-                                 f"attention_matrix={matrix_attention})\nfinally:\n  ck.SHORT_TILE_MAX_TOKENS = saved\n"
+                                 f"attention_matrix={matrix_attention})\nfinally:\n"
+                                 "  ck.SHORT_TILE_MAX_TOKENS, ck.MATRIX_SHORT_TILE_MAX_TOKENS = saved\n"
                                  "json.dumps(out)", timeout)
             bench["short_tile_max"] = most
             out["bench"].append(bench)
@@ -212,10 +215,12 @@ def main() -> int:
                         help="where the matrix attention fails its check: the diagnosis, then the next model")
     parser.add_argument("--no-diagnosis", action="store_true",
                         help="where the matrix attention fails its check, go on to the benchmarks without diagnosing it")
+    parser.add_argument("--force-diagnosis", action="store_true",
+                        help="the diagnosis also where the matrix attention passes (its variants as controls)")
     parser.add_argument("--context", type=int, default=8192, help="the page's ?context= (the KV cache's tokens)")
     parser.add_argument("--short-tile-max", default="",
                         help="comma-separated: the follow-up turns again with the matmuls' short token tile run by "
-                             "passes of up to this many tokens (contract.kernels.SHORT_TILE_MAX_TOKENS)")
+                             "passes of up to this many tokens (contract.kernels.SHORT_TILE_MAX_TOKENS and its matrix twin)")
     args = parser.parse_args()
     gpu_page.OUT.mkdir(parents=True, exist_ok=True)
     gpu_page.ensure_wrapper()
@@ -224,7 +229,7 @@ def main() -> int:
         try:
             out = run(model, args.set, args.rounds, args.tokens, args.timeout, args.agreement_tokens, args.context,
                       args.diagnose_only, not args.no_diagnosis,
-                      tuple(int(v) for v in args.short_tile_max.split(",") if v))
+                      tuple(int(v) for v in args.short_tile_max.split(",") if v), args.force_diagnosis)
         except Exception as err:  # noqa: BLE001 (report, go on with the next model)
             print(f"{model}: FAILED {type(err).__name__}: {err}", flush=True)
             out, status = {"model": model, "error": f"{type(err).__name__}: {err}"}, 1

@@ -9,6 +9,8 @@ with subgroup matrices (each replaces the artifact's build of the same ABI in th
   `if (subgroup == owner)`)
 - split_left: left operands (Q's stage, then P) in an array of their own, right operands (K^T, V) in
   another (the matmul, which passes on the H200, never loads both kinds from one array)
+- scalar_flags: the kernel as it was before its two flags became 16-byte arrays (`grown` and
+  `rescale` 4-byte scalars beside the tiles): the control for that change
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ def end_all(wgsl: str, d: int) -> str:
     return head + "\n".join(out)
 
 
+def scalar_flags(wgsl: str) -> str:
+    """The flags back as 4-byte workgroup scalars."""
+    swaps = ((f"var<workgroup> grown : array<atomic<u32>, {pam.FLAG_WORDS}>;", "var<workgroup> grown : atomic<u32>;"),
+             (f"var<workgroup> rescale : array<u32, {pam.FLAG_WORDS}>;", "var<workgroup> rescale : u32;"),
+             ("&grown[0]", "&grown"), ("rescale[0] = ", "rescale = "), ("&rescale[0]", "&rescale"))
+    for old, new in swaps:
+        assert old in wgsl, old
+        wgsl = wgsl.replace(old, new)
+    return wgsl
+
+
 def split_left(wgsl: str, d: int) -> str:
     """Left operands (Q's stage, then P) in an array of their own, right operands (K^T, V) in kv_tile."""
     kv_stride = d + pam.PAD
@@ -90,7 +103,8 @@ if __name__ == "__main__":
         name = f"prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}_f16"
         base = build(h_kv, h_qo, d).replace(f"fn prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}(", f"fn {name}(")
         variants = {"q_stage": q_stage(base, d), "end_all": end_all(base, d),
-                    "q_stage_end_all": end_all(q_stage(base, d), d), "split_left": split_left(base, d)}
+                    "q_stage_end_all": end_all(q_stage(base, d), d), "split_left": split_left(base, d),
+                    "scalar_flags": scalar_flags(base)}
         if d == 64:  # the padded build fits 32 KiB at head_dim 64 only
             variants["pad64"] = build(h_kv, h_qo, d, PAD=32, S_STRIDE=48, P_STRIDE=64, KT_STRIDE=64).replace(
                 f"fn prefill_attention_matrix_d{d}_kv{h_kv}_qo{h_qo}(", f"fn {name}(")
