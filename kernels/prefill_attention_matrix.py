@@ -25,7 +25,8 @@ rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. 
 Workgroup storage: the K and V tiles (the Q stage before them, P over K), each subgroup's S (f32,
 also its O when O passes through), one factor and one exchanged value a row, two flags: under 29 KiB
 at head_dim 128. Every variable is a multiple of 16 bytes and every fragment row and offset 16-byte
-aligned (kernels.wgsl.MATRIX_ALIGN_BYTES).
+aligned (kernels.wgsl.MATRIX_ALIGN_BYTES): with two 4-byte flags beside the tiles the kernel is wrong
+on the GPU while its emulated builtins are right.
 """
 
 from __future__ import annotations
