@@ -178,9 +178,15 @@ def chat_info(chat) -> str:
 
 
 def prefill_matmuls_note(model) -> str:
-    """Which prefill matmuls the model runs, and why not the subgroup-matrix builds."""
+    """Which prefill kernels the model runs, and why not the subgroup-matrix builds."""
+    if model.runs_prefill_attention_matrix():
+        return "subgroup matrices (tensor cores): matmuls and attention"
+    if model.runs_prefill_matrix():
+        why = ("prefill_attention_matrix is false" if model.run.prefill_attention_matrix is False
+               else "the artifact has no subgroup-matrix build for this shape")
+        return f"subgroup matrices (tensor cores): matmuls; scalar attention ({why})"
     if model.has_prefill_matrix:
-        return "subgroup matrices (tensor cores)"
+        return "scalar matmuls (prefill_matrix or fold_norms is false)"
     return f"scalar matmuls: {model.prefill_matrix_why_not or 'the subgroup-matrix builds were not loaded'}"
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from chat.page import prefill_matmuls_note
 from chat.prefill_check import check_prefill_kernels
 from contract.attention import MATRIX_PREFILL
 from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, AttentionSpec, MatmulSpec, llama_kernels, matrix_roles
@@ -182,10 +183,12 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
         assert model.stats[-1].kernel == f"prefill (subgroup-matrix) · subgroup-matrix matmuls, {tiles} tiles"
         history += prompt
         assert token == int(np.argmax(got))
+    assert prefill_matmuls_note(model) == "subgroup matrices (tensor cores): matmuls and attention"
     # the scalar attention where asked for (RunOptions.prefill_attention_matrix), then no matrix build
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_attention_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · subgroup-matrix matmuls, 32-token tiles"
+    assert prefill_matmuls_note(model).endswith("matmuls; scalar attention (prefill_attention_matrix is false)")
     with pytest.raises(ModelError, match="it runs only beside the subgroup-matrix matmuls"):
         loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False,
                                                               prefill_attention_matrix=True)))
