@@ -106,8 +106,8 @@ PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefil
 # tokens (a chat turn's few new ones) runs the short tile, so it does not compute 128 token rows.
 PREFILL_TOKEN_TILE = 128
 SHORT_PREFILL_TOKENS = 32
-# The longest pass that runs the short tile (short_token_tile): one tile for the scalar builds, whose
-# cost follows the rows they compute; two for the matrix builds, which few workgroups bound on a short pass.
+# The longest pass that runs the short tile (short_token_tile): one tile for the scalar builds, where two
+# short tiles cost more than one long one; two for the matrix builds, which few workgroups bound on a short pass.
 SHORT_TILE_MAX_TOKENS = SHORT_PREFILL_TOKENS
 MATRIX_SHORT_TILE_MAX_TOKENS = 2 * SHORT_PREFILL_TOKENS
 # The prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix; kernels.prefill_matmul_matrix): f16
