@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from contract.kernels import PAGE_SIZE, PREFILL_ATTENTION_BUFFERS
 from kernels.paged_kv import LOG2_E
-from kernels.wgsl import (FRAG, MATRIX_ALIGN_BYTES, SUBGROUP, WgslKernel, left, matrix_header, result_load, result_store, result_zero,
-                          right)
+from kernels.wgsl import (FRAG, MATRIX_ALIGN_BYTES, SUBGROUP, WgslKernel, left, matrix_header, result_load,
+                          result_store, result_zero, right)
 
 SUBGROUPS = 4
 THREADS = SUBGROUPS * SUBGROUP

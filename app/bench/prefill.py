@@ -52,7 +52,8 @@ def attention_flops(c, prompt: int, cached: int = 0) -> int:
 async def run_prefill_bench(args) -> dict:
     device, library, model_dir, weights = await bench_inputs(args)
     read_text, read_bytes = folder_readers(model_dir)
-    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=max(args.prompts + [FIRST_TURN + max(args.follow_ups or [0])]) + 16),
+    longest = max(args.prompts + [FIRST_TURN + max(args.follow_ups)] if args.follow_ups else args.prompts)
+    model = await load_model(device, library, read_text, read_bytes, options=RunOptions(max_context=longest + 16),
                              dtype=None if args.dtype == "auto" else args.dtype)
     c = model.config
     chunks = args.chunks or [model.options.prefill_chunk]
