@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from chat.session import DEFAULT_MAX_NEW_TOKENS
 from contract.kernels import MAX_TOP_K
-from model_glue.attention import TILED_MAX_CONTEXT
+from model_glue.policy import TILED_MAX_CONTEXT
 from model_glue.generate import STOPPED_IN_PREFILL
 from model_glue.step_stats import STEP_FIELDS
 

@@ -24,8 +24,8 @@ from array import array
 from contract.attention import MAX_SPLITS, AttentionChoice
 from contract.kernels import PAGE_SIZE, SPLIT_WORKSPACE
 from contract.model import BENCH_SHAPES, DTYPE_BYTES, AttentionShape
-from model_glue.attention import (attention_call, attention_dispatches, choose_decode_attention,
-                                  resolve_attention_kernels, split_workspace_bytes)
+from model_glue.attention import attention_call, attention_dispatches, resolve_attention_kernels, split_workspace_bytes
+from model_glue.policy import choose_decode_attention
 
 LAB_CONTEXTS = (256, 1024, 3060, 8192)
 CPU_LAB_CONTEXTS = (64, 300)  # a CPU rasterizer takes seconds per call beyond these

@@ -24,9 +24,9 @@ from dataclasses import replace
 
 from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
-from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, llama_kernels, prefill_matmul_role, short_token_tile
+from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, llama_kernels, prefill_matmul_role
 from contract.model import DTYPE_BYTES
-from model_glue.attention import DECODE_BATCH_MAX_TOKENS
+from model_glue.policy import DECODE_BATCH_MAX_TOKENS, short_token_tile
 
 CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
 CHECK_ROWS = 320  # W rows: 2.5 matrix tiles of 128, 5 scalar tiles of 64 (SwiGLU: 160 columns)
@@ -118,7 +118,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
     rows = []
     for matmul, matrix in _builds(model):
         for n in CHECK_TOKENS:
-            role = prefill_matmul_role(matmul, n, matrix)
+            role = prefill_matmul_role(matmul, short_token_tile(n, matrix), matrix)
             spec = replace(_spec(model, role), out_features=CHECK_ROWS)
             inputs = CheckInputs(spec, n, model.dtype, rng)
             esize = DTYPE_BYTES[model.dtype]
@@ -161,7 +161,7 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
         resid = device.storage_buffer(n * c.dim * esize)
         try:
             for matmul, matrix in _builds(model):
-                role = prefill_matmul_role(matmul, n, matrix)
+                role = prefill_matmul_role(matmul, short_token_tile(n, matrix), matrix)
                 spec, kernel = _spec(model, role), model.kernels[role]
                 weight = f"layers.0.{WEIGHTS[matmul]}"
                 buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[f"{weight}.q4"],

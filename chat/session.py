@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from contract.attention import NESTS
-from model_glue.attention import TILED_MAX_CONTEXT
+from model_glue.policy import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
 from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
 from model_glue.chat_template import SMOLLM2_TEMPLATE, ChatTemplate, chat_template

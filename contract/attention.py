@@ -12,9 +12,8 @@ Words, each with one meaning:
 A layout row names everything the build and the host need: the kernel module that builds it
 (`builder`, and `builds`, which lists its builds for a shape: an empty list where the shape does not
 fit), whether it needs WebGPU subgroups, how many query heads a workgroup serves (which sets the grid
-the split rule fills), and where the host's rule ranks it on GPUs and CPU rasterizers. A new layout is
-one kernel module, one row here and, only if the generic rule does not fit it, one picker rule in
-model_glue.attention.
+the split rule fills). A new layout is one kernel module, one row here and its rank and split tiers
+in model_glue.policy.LAYOUT_RULES (the runtime's choice).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 
 MAX_SPLITS = 128  # the most splits the host picks (the workspace is sized for it)
 NESTS = ("tiled", "sharded")
-NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets model_glue.attention.pick_decode_nest choose
+NEST_CHOICES = ("auto",) + NESTS  # 'auto' lets model_glue.policy.pick_decode_nest choose
 
 
 @dataclass(frozen=True)
@@ -33,34 +32,18 @@ class Layout:
     builds: str  # "module:function": (layout name, shape, **build_params) -> [LayoutBuild] (empty: no fit)
     needs_subgroups: bool  # built with WebGPU subgroup operations; runs where a build fits the subgroups
     group_per_workgroup: bool  # a workgroup serves a whole GQA group (B*H_kv*S workgroups), else one head (B*H_qo*S)
-    gpu_rank: int | None  # the rule on GPUs takes the lowest rank this device runs; None: only when forced
-    cpu_rank: int | None  # the same on CPU rasterizers (one split there)
-    # The split rule on GPUs: S doubles (powers of two) while some tier (most workgroups, fewest K/V
-    # rows a split, fewest K/V elements a split: rows x head_dim) admits it.
-    split_tiers: tuple[tuple[int, int, int], ...] = ()
     summary: str = ""
 
 
-# The ranks and tiers come from sweeps on an NVIDIA H200 and on lavapipe (docs/benchmarks.md, "Choosing
-# S"). A split pays while the GPU has idle SMs and costs a merge. "subgroup" reads each K/V row once per
-# GQA group and won everywhere its subgroups fit. Up to 128 workgroups while a split keeps 128 rows;
-# long contexts go on to 256 while a split keeps 512 rows and 65,536 K/V elements (SmolLM2's 3 KV heads
-# of 64 dims at 32,768 tokens: S = 32 at 24.8 us beat S = 64, 512 rows of 64 dims, at 28.4 us; D=256
-# with 4 KV heads kept S = 64, 55.1 us, the sweep's best).
-# Without subgroups, "shards" on GPUs; a CPU rasterizer has no idle SMs to fill and prefers a whole GQA
-# group per workgroup ("shards_group": each K/V row read once per group) where the group fits.
 LAYOUTS = (
     Layout("shards", "kernels.decode_attention_sharded:decode_attention_sharded",
            "kernels.decode_attention_sharded:layout_builds", needs_subgroups=False, group_per_workgroup=False,
-           gpu_rank=1, cpu_rank=2, split_tiers=((128, 64, 0),),
            summary="the seed's layout: shards of lanes own whole K/V rows, one query head per workgroup"),
     Layout("shards_group", "kernels.decode_attention_sharded:decode_attention_sharded",
            "kernels.decode_attention_sharded:layout_builds", needs_subgroups=False, group_per_workgroup=True,
-           gpu_rank=None, cpu_rank=1, split_tiers=((128, 64, 0),),
            summary="the shards layout with a whole GQA group per workgroup (where the group fits)"),
     Layout("subgroup", "kernels.decode_attention_subgroup:decode_attention_subgroup",
            "kernels.decode_attention_subgroup:layout_builds", needs_subgroups=True, group_per_workgroup=True,
-           gpu_rank=0, cpu_rank=0, split_tiers=((128, 128, 0), (256, 512, 65536)),
            summary="K/V rows across subgroups, head dims across a subgroup's lanes, a GQA group per workgroup"),
 )
 LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}

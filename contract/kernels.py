@@ -106,10 +106,6 @@ PREFILL_TILE_ROWS = 64  # weight rows of a prefill matmul's tile (kernels.prefil
 # tokens (a chat turn's few new ones) runs the short tile, so it does not compute 128 token rows.
 PREFILL_TOKEN_TILE = 128
 SHORT_PREFILL_TOKENS = 32
-# The longest pass that runs the short tile (short_token_tile): one tile for the scalar builds, where two
-# short tiles cost more than one long one; two for the matrix builds, which few workgroups bound on a short pass.
-SHORT_TILE_MAX_TOKENS = SHORT_PREFILL_TOKENS
-MATRIX_SHORT_TILE_MAX_TOKENS = 2 * SHORT_PREFILL_TOKENS
 # The prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix; kernels.prefill_matmul_matrix): f16
 # fragments of M = N = K = MATRIX_FRAGMENT with f32 results, in subgroups of exactly MATRIX_SUBGROUP.
 MATRIX_FRAGMENT = 16
@@ -476,16 +472,10 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     return roles
 
 
-def short_token_tile(n: int, matrix: bool) -> bool:
-    """Whether a prefill pass of n tokens runs its matmuls' short token tile (`matrix`: their
-    subgroup-matrix builds)."""
-    return n <= (MATRIX_SHORT_TILE_MAX_TOKENS if matrix else SHORT_TILE_MAX_TOKENS)
-
-
-def prefill_matmul_role(matmul: str, n: int, matrix: bool) -> str:
-    """The role of a prefill pass's matmul (a LAYER_MATMULS key) for n tokens: the short token tile
-    for short passes, the subgroup-matrix build where the model runs it."""
-    return f"{matmul}_prefill{SHORT_SUFFIX * short_token_tile(n, matrix)}{MATRIX_SUFFIX * matrix}"
+def prefill_matmul_role(matmul: str, short: bool, matrix: bool) -> str:
+    """The role of a prefill pass's matmul (a LAYER_MATMULS key): its short token tile (`short`), its
+    subgroup-matrix build (`matrix`)."""
+    return f"{matmul}_prefill{SHORT_SUFFIX * short}{MATRIX_SUFFIX * matrix}"
 
 
 # The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup

@@ -1,10 +1,9 @@
-"""Decode attention on the host side: which kernels run, and how one call is assembled.
+"""Decode attention on the host side: which kernels run a shape, and how one call is assembled.
 
 `resolve_attention_kernels` says which of the artifact's attention kernels run a shape on this
 device (the tiled nest, its defect if any, the merge, prefill, and per layout of contract.attention
-the build this device runs). `choose_decode_attention` makes a step's choice from it:
-`pick_decode_nest` (tiled or sharded), then `pick_layout` (which layout and how many splits).
-`attention_call` names a call's buffers and values. Loading, the model, the kernel lab, the
+the build this device runs); model_glue.policy.choose_decode_attention makes a step's choice among
+them. `attention_call` names a call's buffers and values. Loading, the model, the kernel lab, the
 benchmarks and the tests all go through these.
 """
 
@@ -12,16 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collections.abc import Collection
-
 from contract.artifacts import KernelSpec
-from contract.attention import (LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, MAX_SPLITS, NEST_CHOICES, AttentionChoice,
-                                Layout, LayoutChoice)
+from contract.attention import LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, AttentionChoice, Layout, LayoutChoice
 from contract.kernels import ATTENTION_BUFFERS, PAGE_SIZE, SPLIT_WORKSPACE, AttentionSpec
 from contract.model import AttentionShape
-
-# Up to this many context tokens the tiled nest's low fixed cost wins; above it, sharded.
-TILED_MAX_CONTEXT = 256
+from model_glue.policy import pick_subgroup_build
 
 
 def attention_call(*, q, pages, page_table_indptr, page_table_values, length_info, k_rope_pos_offset,
@@ -67,49 +61,11 @@ def tiled_defect(tiled_spec: KernelSpec) -> str | None:
     return tiled_spec.meta.get("defect")
 
 
-# A prefill pass of at most this many tokens runs its attention with the decode kernels, a batch of
-# its tokens each over its own prefix (LlamaModel.prefill_attention): a follow-up turn's few rows
-# would give the causal prefill kernel one workgroup a KV head, walking the cached context serially.
-DECODE_BATCH_MAX_TOKENS = 64
-
-
-def pick_decode_nest(context_lens: list[int], override: str = "auto", tiled_defect: str | None = None) -> str:
-    """'tiled' or 'sharded' for one decode step of a batch.
-
-    A batch runs one kernel, chosen by its longest context: sharded as soon as any sequence holds
-    more than TILED_MAX_CONTEXT tokens. The long sequence dominates the step's time and the
-    sharded nest is correct for short sequences too, just not the fastest for them.
-    `override` forces a nest ('tiled' / 'sharded') for comparisons.
-
-    Where TVM's tiled kernel gives wrong output for the shape (`tiled_defect`, see above), it never
-    runs: `auto` always picks sharded and forcing tiled is an error.
-    """
-    if override not in NEST_CHOICES:
-        raise ValueError(f"attention override must be one of {NEST_CHOICES}, got {override!r}")
-    if tiled_defect is not None:
-        if override == "tiled":
-            raise ValueError(f"the tiled nest is not run for this shape: {tiled_defect}")
-        return "sharded"
-    if override != "auto":
-        return override
-    return "sharded" if max(context_lens, default=0) > TILED_MAX_CONTEXT else "tiled"
-
-
 # -- which kernels run a shape on this device ------------------------------------------------------------
 def split_workspace_bytes(max_rows: int, shape: AttentionShape) -> dict[str, int]:
     """Bytes of the split workspace for every call with batch * num_splits <= max_rows."""
     rows = max_rows * shape.num_qo_heads
     return dict(zip(SPLIT_WORKSPACE, (rows * shape.head_dim * 4, rows * 2 * 4)))
-
-
-def pick_subgroup_build(builds, subgroup_min_size: int | None, subgroup_max_size: int | None):
-    """Of a subgroup layout's builds, (row_lanes, exact subgroup size or None) each, the one this
-    device runs best, or None. A build for an exact size needs subgroups of exactly that size
-    (min == max); a relative build needs a row's lanes to fit the smallest subgroup
-    (kernels.decode_attention_subgroup), and the widest such build wins."""
-    exact = [b for b in builds if b[1] and subgroup_min_size == subgroup_max_size == b[1]]
-    relative = [b for b in builds if not b[1] and subgroup_min_size and b[0] <= subgroup_min_size]
-    return max(exact or relative, default=None)
 
 
 @dataclass(frozen=True)
@@ -213,58 +169,3 @@ def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device
     return AttentionKernels(shape, dtype, names["tiled"], tiled_defect(library.specs[names["tiled"]]), names["merge"],
                             *(names[k] if names[k] in library.specs else None for k in ("prefill", "prefill_matrix")),
                             layouts, unavailable)
-
-
-# -- a step's choice: the nest, then the layout and its splits ------------------------------------------------
-def _splits(workgroups_per_split: int, longest: int, head_dim: int, max_splits: int, tiers) -> int:
-    """The largest power of two S (<= max_splits) that some tier (most workgroups, fewest rows a
-    split, fewest K/V elements a split) admits."""
-    def admits(splits, most, rows, elements):
-        split_rows = longest // splits
-        return splits * workgroups_per_split <= most and split_rows >= rows and split_rows * head_dim >= elements
-
-    splits = 1
-    while 2 * splits <= max_splits and any(admits(2 * splits, *tier) for tier in tiers):
-        splits *= 2
-    return splits
-
-
-def pick_layout(context_lens: list[int], shape: AttentionShape, *, available: Collection[str], is_cpu: bool,
-                max_rows: int = MAX_SPLITS, forced: LayoutChoice | None = None) -> AttentionChoice:
-    """The sharded nest's layout and split count S for one step of a batch (whose longest context
-    is above the tiled nest's range).
-
-    `available`: the layouts that run this shape on this device (AttentionKernels.layouts; required,
-    so that no caller picks a kernel the artifact or the device refused); `max_rows` bounds batch * S
-    (the workspace's size); `forced` holds the choice to a layout and S. The rule: the available
-    layout of lowest rank (contract.attention.LAYOUTS: gpu_rank, or cpu_rank on a CPU rasterizer,
-    which has no idle SMs to fill and runs one split); on GPUs, S from the layout's split tiers.
-    """
-    if forced is not None:
-        if forced.layout not in available:
-            raise ValueError(f"the {forced.layout!r} layout does not run this shape here")
-        return AttentionChoice("sharded", forced.layout, forced.num_splits)
-    ranked = sorted((rank, layout.name) for layout in LAYOUTS if layout.name in available
-                    for rank in [layout.cpu_rank if is_cpu else layout.gpu_rank] if rank is not None)
-    if not ranked:
-        raise ValueError(f"no layout of the sharded family runs {shape} here (available: {sorted(available)})")
-    layout = LAYOUTS_BY_NAME[ranked[0][1]]
-    if is_cpu:
-        return AttentionChoice("sharded", layout.name, 1)
-    batch = max(len(context_lens), 1)
-    heads = shape.num_kv_heads if layout.group_per_workgroup else shape.num_qo_heads
-    max_splits = min(MAX_SPLITS, max(max_rows // batch, 1))
-    return AttentionChoice("sharded", layout.name, _splits(batch * heads, max(context_lens, default=0), shape.head_dim,
-                                                           max_splits, layout.split_tiers))
-
-
-def choose_decode_attention(context_lens: list[int], kernels: AttentionKernels, *, is_cpu: bool,
-                            attention: str = "auto", forced: LayoutChoice | None = None,
-                            max_rows: int = MAX_SPLITS) -> AttentionChoice:
-    """One decode step's attention: the nest (`attention`: "auto", or forced "tiled" / "sharded"),
-    then for the sharded nest its layout and S on this device."""
-    nest = pick_decode_nest(context_lens, attention, kernels.tiled_defect)
-    if nest == "tiled":
-        return AttentionChoice("tiled")
-    return pick_layout(context_lens, kernels.shape, available=kernels.layouts, is_cpu=is_cpu, max_rows=max_rows,
-                       forced=forced)

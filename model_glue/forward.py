@@ -15,6 +15,7 @@ from contract.kernels import (INT8_X_MATMULS, INT8_X_SUFFIX, MATRIX_MATMULS, MAT
 from contract.model import head_tensor
 from model_glue.attention import attention_call, attention_dispatches
 from model_glue.kernel import DispatchPlan
+from model_glue.pass_plan import PassPlan
 from model_glue.step_stats import PassStamps
 
 
@@ -129,12 +130,11 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
         workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
 
 
-def pass_attention_kernels(m, choice: AttentionChoice, n: int = 1) -> list:
-    """The attention kernels a pass dispatches: without the merge where the o-projection
-    (LlamaModel.o_merges) or its int8 quantizer (LlamaModel.quantizer_merges) merges the split
-    call's partial states."""
-    kernels = m.attention_kernels(choice)
-    return kernels[:-1] if m.o_merges(choice, n) or m.quantizer_merges(choice, n) else kernels
+def pass_attention_kernels(m, plan: PassPlan) -> list:
+    """The attention kernels a pass dispatches: without the merge where the o-projection or its
+    int8 quantizer merges the split call's partial states (PassPlan.merges_split)."""
+    kernels = m.attention_kernels(plan.attention)
+    return kernels[:-1] if plan.merges_split else kernels
 
 
 def role_values(m, role: str, **pass_values) -> dict:
@@ -143,15 +143,16 @@ def role_values(m, role: str, **pass_values) -> dict:
     return {**m.kernel_values[role], **pass_values}
 
 
-def per_step_values(m, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> list:
+def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> list:
     """(kernel, values) of each kernel of a decode pass whose values change per step: attention
-    (the context grows), the merging o-projection (S may change) and the sampler (a new draw)."""
+    (the context grows), the merging o-projection or quantizer (S may change) and the sampler (a new draw)."""
+    choice = plan.attention
     buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
-    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, choice), buffers, values)]
-    if m.o_merges(choice):
+    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, plan), buffers, values)]
+    if plan.o_merges:
         pairs.append((m.kernels["o_residual_merge_decode"], role_values(m, "o_residual_merge_decode",
                                                                         **o_merge_values(choice))))
-    if m.quantizer_merges(choice):
+    if plan.quantizer_merges:
         pairs.append((m.kernels["quantize_merge_decode"], role_values(m, "quantize_merge_decode",
                                                                       num_splits=choice.num_splits)))
     if sampling is not None and not sampling.greedy:
@@ -179,17 +180,17 @@ def _codes(m, prefix: str = "") -> dict:
     return {"xq": m.buffers[f"{prefix}xq"], "xstats": m.buffers[f"{prefix}xstats"]}
 
 
-def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=None, resid=None, rope_io=None,
-            values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
+def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: str, weight: str, x, y, *, norm=None, resid=None,
+            rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
     """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
     `x` is a buffer, a dict of the buffers x is made from (the merging o-projection's partial
     states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
     epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
-    (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (LlamaModel.int8_x) and x is not
+    (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
     given as codes, its quantizer runs first, with the norm's weight."""
-    w = m.weights
-    role = f"{role}_decode" if n == 1 else prefill_matmul_role(role, n, m.runs_prefill_matrix())
-    int8_x = m.int8_x(n) and role in INT8_X_MATMULS
+    w, n = m.weights, plan.n
+    role = f"{matmul}_decode" if n == 1 else prefill_matmul_role(matmul, plan.short_tile, plan.matrix_matmuls)
+    int8_x = plan.int8_x and role in INT8_X_MATMULS
     given_codes = isinstance(x, dict) and "xq" in x
     if int8_x and not given_codes:
         _quantize_x(m, enc, INT8_X_MATMULS[role], x, norm)
@@ -212,39 +213,40 @@ def _matmul(m, enc: PassEncoder, role: str, n: int, weight: str, x, y, *, norm=N
     enc.run(m.kernels[role], buffers, role_values(m, role, **{"n": n, **(values or {})}), per_step=per_step)
 
 
-def _normed_matmul(m, enc, role: str, n: int, weight: str, x, y, norm: str) -> None:
+def _normed_matmul(m, enc, plan: PassPlan, matmul: str, weight: str, x, y, norm: str) -> None:
     """norm(x) @ W^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
-    if m.run.fold_norms:
-        _matmul(m, enc, f"norm_{role}", n, weight, x, y, norm=norm)
+    if plan.fold_norms:
+        _matmul(m, enc, plan, f"norm_{matmul}", weight, x, y, norm=norm)
     else:
         normed = m.buffers["normed"]
-        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed}, role_values(m, "rms_norm", n=n))
-        _matmul(m, enc, role, n, weight, normed, y)
+        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed},
+                role_values(m, "rms_norm", n=plan.n))
+        _matmul(m, enc, plan, matmul, weight, normed, y)
 
 
-def _swiglu_ffn(m, enc, n: int, weight: str, x, h, norm: str, h_codes: dict | None = None) -> None:
+def _swiglu_ffn(m, enc, plan: PassPlan, weight: str, x, h, norm: str, h_codes: dict | None = None) -> None:
     """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels; with
     `h_codes`, the folded matmul also writes h's int8 codes there."""
-    if m.run.fold_norms:
-        _matmul(m, enc, "norm_gate_up_swiglu", n, weight, x, h, norm=norm, y_codes=h_codes)
+    if plan.fold_norms:
+        _matmul(m, enc, plan, "norm_gate_up_swiglu", weight, x, h, norm=norm, y_codes=h_codes)
     else:
         gate_up = m.buffers["gate_up"]
-        _normed_matmul(m, enc, "gate_up", n, weight, x, gate_up, norm)
-        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, role_values(m, "swiglu", n=n))
+        _normed_matmul(m, enc, plan, "gate_up", weight, x, gate_up, norm)
+        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, role_values(m, "swiglu", n=plan.n))
 
 
-def encode_forward(m, enc: PassEncoder, n: int, choice: AttentionChoice, nnz_pages: int, sampling,
-                   draw: float) -> None:
-    """The whole forward pass of n tokens of model `m` (model_glue.model.LlamaModel) as kernel
-    dispatches (in one compute pass where the encoder asks for it)."""
+def encode_forward(m, enc: PassEncoder, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> None:
+    """The whole forward pass of model `m` (model_glue.model.LlamaModel) as `plan` lays it out, as
+    kernel dispatches (in one compute pass where the encoder asks for it). The model gives the
+    weights, buffers and compiled kernels; every choice is the plan's."""
     with enc.whole_pass(PassStamps(m.config.n_layers)):
-        _forward(m, enc, n, choice, nnz_pages, sampling, draw)
+        _forward(m, enc, plan, nnz_pages, sampling, draw)
 
 
-def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, draw: float) -> None:
+def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> None:
     c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
-    attention = pass_attention_kernels(m, choice, n)
-    o_merges = m.o_merges(choice, n)
+    n, choice = plan.n, plan.attention
+    attention = pass_attention_kernels(m, plan)
     stamps = PassStamps(c.n_layers)
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
@@ -254,32 +256,32 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
-        # runs in the o-projection where LlamaModel.o_merges says so
+        # runs in the o-projection or its quantizer where the plan says so
         rope_io = {"positions": buf["positions"], "slots": buf["slots"], "pages": m.kv.layers[layer], "q": buf["q"]}
-        if n == 1 and m.run.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
-            _matmul(m, enc, "norm_qkv_rope_append", n, f"{p}.qkv", x, None, norm=f"{p}.attn_norm", rope_io=rope_io,
-                    values={"num_pages": m.kv.num_pages})
+        if n == 1 and plan.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
+            _matmul(m, enc, plan, "norm_qkv_rope_append", f"{p}.qkv", x, None, norm=f"{p}.attn_norm",
+                    rope_io=rope_io, values={"num_pages": m.kv.num_pages})
         else:
-            _normed_matmul(m, enc, "qkv", n, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
+            _normed_matmul(m, enc, plan, "qkv", f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
             enc.run(k["rope_append"], {"qkv": buf["qkv"], **rope_io},
                     role_values(m, "rope_append", n=n, num_pages=m.kv.num_pages))
         attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                 enc.run(kernel, kernel_buffers, values, per_step=True)
-        if o_merges:  # x of the o-projection is merged from the split call's partial states
-            _matmul(m, enc, "o_residual_merge", n, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
+        if plan.o_merges:  # x of the o-projection is merged from the split call's partial states
+            _matmul(m, enc, plan, "o_residual_merge", f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
-        elif m.quantizer_merges(choice, n):  # ... by the o-projection's quantizer
+        elif plan.quantizer_merges:  # ... by the o-projection's quantizer
             _quantize_x(m, enc, "quantize_merge_decode", {name: buf[name] for name in SPLIT_WORKSPACE},
                         values={"num_splits": choice.num_splits}, per_step=True)
-            _matmul(m, enc, "o_residual", n, f"{p}.o", _codes(m), x_mid, resid=x)
+            _matmul(m, enc, plan, "o_residual", f"{p}.o", _codes(m), x_mid, resid=x)
         else:
-            _matmul(m, enc, "o_residual", n, f"{p}.o", buf["attn"], x_mid, resid=x)
+            _matmul(m, enc, plan, "o_residual", f"{p}.o", buf["attn"], x_mid, resid=x)
         # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
-        down_codes = _codes(m, "ffn_") if m.int8_x(n) and m.down_codes_from_gate_up else None
-        _swiglu_ffn(m, enc, n, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
-        _matmul(m, enc, "down_residual", n, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
+        down_codes = _codes(m, "ffn_") if plan.down_codes_from_gate_up else None
+        _swiglu_ffn(m, enc, plan, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
+        _matmul(m, enc, plan, "down_residual", f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
     # head: only the last token's logits are needed (a decode pass's x is that token already)
     last = x
     if n > 1:
@@ -289,13 +291,13 @@ def _forward(m, enc, n: int, choice: AttentionChoice, nnz_pages: int, sampling, 
     head = {"w": w[f"{head_matrix}.q8"], "scale": w[f"{head_matrix}.scale"], "y": buf["logits"],
             "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
-        if m.run.fold_norms:
+        if plan.fold_norms:
             enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, role_values(m, "norm_lm_head", n=1))
         else:
             enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]},
                     role_values(m, "rms_norm", n=1))
             enc.run(k["lm_head"], {"x": buf["normed"], **head}, role_values(m, "lm_head", n=1))
-        if sampling is None or sampling.greedy:
+        if plan.greedy:
             enc.run(k["argmax"], {"best": buf["head_best"], "out": buf["next_id"]}, role_values(m, "argmax"))
         else:  # the draw changes every step
             enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]},

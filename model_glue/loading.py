@@ -13,23 +13,24 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_CONFIG, MATRIX_FRAGMENT, MATRIX_SUBGROUP,
-                              SHORT_PREFILL_TOKENS, llama_kernels, matmul_int8_x, matmul_subgroup_lanes, matrix_roles, prefill_matrix)
-from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
-                            LlamaConfig, model_tensors, synthetic_config_name)
-from model_glue.attention import TILED_MAX_CONTEXT, AttentionKernels, resolve_attention_kernels
+from contract.kernels import SHORT_PREFILL_TOKENS, llama_kernels, matmul_int8_x, matmul_subgroup_lanes, prefill_matrix
+from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, LlamaConfig, model_tensors,
+                            synthetic_config_name)
+from model_glue.attention import AttentionKernels, resolve_attention_kernels
 from model_glue.errors import ModelError
 from model_glue.kernel import unmet_limits
 from model_glue.kv_cache import PagedKVCache
 from model_glue.model import LlamaModel
 from model_glue.options import RunOptions
+from model_glue.policy import (TILED_MAX_CONTEXT, layout_rank, pick_matmul_int8_x, pick_matmul_subgroup_lanes,
+                               pick_prefill_matrix, why_no_prefill_matrix)
 from model_glue.scratch import scratch_sizes
 from model_glue.gguf_file import GGUFError, read_header
 from model_glue.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan, with_rope_scaling,
                                    context_length as gguf_context_length)
 from model_glue.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
-from model_glue.webgpu import BUFFER_LIMITS, SUBGROUP_MATRIX, AdapterLimitError
+from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 
 async def load_model(device, library, read_text, read_bytes, *, options: RunOptions = RunOptions(),
@@ -217,96 +218,6 @@ def _compiled_for(role: str, c: LlamaConfig) -> str:
     return f"dim {c.dim}"
 
 
-def pick_matmul_subgroup_lanes(library, config: LlamaConfig, dtype: str, device, wanted: bool | None) -> int | None:
-    """The decode matmuls' subgroup build (MatmulSpec.subgroup_lanes) this device runs: the widest
-    whose lanes fit the adapter's smallest subgroup (subgroups fill in invocation order, so such
-    runs of lanes sit in one subgroup) and whose kernels the artifact has for this model; None if
-    there is none or `wanted` is False. With `wanted` True, none is a ModelError saying why."""
-    if wanted is False:
-        return None
-    smallest = device.subgroup_min_size if device is not None else None
-    for lanes in MATMUL_SUBGROUP_LANES:
-        if smallest and lanes <= smallest and all(
-                spec.name in library.specs for spec in llama_kernels(config, dtype, lanes).values()):
-            return lanes
-    if wanted:
-        raise ModelError("matmul_subgroups was asked for, but " + (
-            "this adapter has no subgroups" if not smallest else
-            f"the kernel artifact has no subgroup build of this model's decode matmuls that fits this adapter's "
-            f"subgroups of {smallest} (one of {', '.join(str(n) for n in MATMUL_SUBGROUP_LANES if n <= smallest)} "
-            "lanes)"))
-    return None
-
-
-# The int8_x decode matmuls by default only for models at least this wide: the quantizers add 2-3
-# dispatches a layer (alone 5.7 us each on the H200), which the 8B shape's matmuls repay many times
-# over (GPU ms a step at 3,060 tokens 3.79 -> 3.20) but the smaller shapes barely or not at all: the
-# 1B 0.986 -> 0.970 for 32 more dispatches a step (not measured in the page, where its step is
-# near the host's bound), SmolLM2 0.87 -> 1.09 at 1,536 tokens (wgpu over Vulkan, f16,
-# docs/benchmarks.md).
-INT8_X_MIN_DIM = 4096
-
-
-def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | None, wanted: bool | None,
-                       device=None, fold_norms: bool = True) -> bool:
-    """Whether the decode matmuls read int8 codes of x (MatmulSpec.int8_x): by default (`wanted`
-    None) for models of INT8_X_MIN_DIM or wider, where the artifact has them beside the subgroup
-    build `lanes` (the GPUs' path), the device's WGSL has dot4I8Packed and the norms are folded (the
-    only roles built so); never with `wanted` False; with `wanted` True wherever all that holds, and
-    not holding is a ModelError."""
-    if wanted is False or (wanted is None and config.dim < INT8_X_MIN_DIM):
-        return False
-    why_not = None
-    if lanes is None:
-        why_not = "it runs only beside the decode matmuls' subgroup builds, which this adapter does not run"
-    elif device is not None and not device.has_packed_int8_dot:
-        why_not = "this browser's WGSL has no dot4I8Packed (packed_4x8_integer_dot_product)"
-    elif not fold_norms:
-        why_not = "it runs only with the norms folded into the matmuls (fold_norms)"
-    elif not all(spec.name in library.specs for spec in llama_kernels(config, dtype, lanes, True).values()):
-        why_not = f"the kernel artifact has no int8_x build of this model's decode matmuls for {lanes} lanes"
-    if why_not is None:
-        return True
-    if wanted:
-        raise ModelError(f"matmul_int8_x was asked for, but {why_not}")
-    return False
-
-
-def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold_norms: bool = True) -> str | None:
-    """Why this device cannot run the model's prefill matmuls on subgroup matrices, or None if it can:
-    it needs the feature, an f16 -> f32 16x16x16 shape, subgroups of exactly 32 (the kernels place
-    their fragments by subgroup), f16 kernels with the norms folded, and the artifact's builds."""
-    if device is None or SUBGROUP_MATRIX not in device.features:
-        return f"this adapter has no subgroup matrices ({SUBGROUP_MATRIX})"
-    if MATRIX_CONFIG not in device.subgroup_matrix_configs:
-        offered = ", ".join(f"{a}->{r} {m}x{n}x{k}" for a, r, m, n, k in device.subgroup_matrix_configs) or "none"
-        return (f"this adapter's subgroup matrices have no f16->f32 {MATRIX_FRAGMENT}x{MATRIX_FRAGMENT}x"
-                f"{MATRIX_FRAGMENT} shape (it offers {offered})")
-    if device.subgroup_min_size != MATRIX_SUBGROUP or device.subgroup_max_size != MATRIX_SUBGROUP:
-        return (f"the matrix kernels need subgroups of exactly {MATRIX_SUBGROUP} invocations (this adapter's hold "
-                f"{device.subgroup_min_size}-{device.subgroup_max_size})")
-    if dtype != "float16":
-        return f"the matrix kernels are f16 and this model runs in {dtype}"
-    if not fold_norms:
-        return "the matrix kernels fold the norms into the matmuls (fold_norms)"
-    missing = [spec.name for spec in matrix_roles(llama_kernels(config, dtype)).values() if spec.name not in library.specs]
-    if missing:
-        return f"the kernel artifact has no subgroup-matrix build of this model's prefill matmuls ({missing[0]}, ...)"
-    return None
-
-
-def pick_prefill_matrix(library, config: LlamaConfig, dtype: str, device, wanted: bool | None,
-                        fold_norms: bool = True) -> bool:
-    """Whether the model loads its prefill matmuls' subgroup-matrix builds: wherever they run
-    (`why_no_prefill_matrix`), unless `wanted` is False; `wanted` True where they cannot is a ModelError."""
-    if wanted is False:
-        return False
-    why_not = why_no_prefill_matrix(library, config, dtype, device, fold_norms)
-    if why_not and wanted:
-        raise ModelError(f"prefill_matrix was asked for, but {why_not}")
-    return why_not is None
-
-
 def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, matmul_subgroups: bool | None = None,
                        matmul_int8_x: bool | None = None, fold_norms: bool = True,
                        prefill_matrix: bool | None = None) -> dict:
@@ -356,7 +267,7 @@ def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> Atte
         attention = resolve_attention_kernels(library, config.attention_shape, dtype, device)
     except LookupError as err:
         raise ModelError(f"{err}; rebuild the kernel artifact with `python -m app build`") from err
-    ranks = [layout.layout.cpu_rank if device.is_cpu else layout.layout.gpu_rank for layout in attention.layouts.values()]
+    ranks = [layout_rank(name, device.is_cpu) for name in attention.layouts]
     if attention.prefill is None or all(rank is None for rank in ranks):
         missing = ["prefill attention"] * (attention.prefill is None) + \
             [f"a sharded layout this device runs ({attention.unavailable})"] * all(rank is None for rank in ranks)

@@ -14,54 +14,25 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import NamedTuple
 
-from contract.attention import MATRIX_PREFILL, AttentionChoice
+from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import (PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS, down_codes_from_gate_up, matmul_int8_x,
-                              matmul_subgroup_lanes, o_merges_splits, prefill_matrix, short_token_tile)
-from model_glue.attention import DECODE_BATCH_MAX_TOKENS, AttentionKernels, choose_decode_attention
+from contract.kernels import down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes, prefill_matrix
+from model_glue.attention import AttentionKernels
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
 from model_glue.kernel import DispatchPlan
 from model_glue.kv_cache import PagedKVCache
 from model_glue.options import RunOptions
+from model_glue.pass_plan import PREFILL_ON_MATRICES, PassPlan
 from model_glue.pipeline import PassPipeline, PendingPass
+from model_glue.policy import DECODE_BATCH_MAX_TOKENS, choose_decode_attention, merges_in_o, short_token_tile
 from model_glue.scratch import ScratchBuffers
 from model_glue.step_stats import StepStats, stamp_count
-
-# A prefill pass's attention on subgroup matrices (kernels.prefill_attention_matrix)
-PREFILL_ON_MATRICES = AttentionChoice("prefill", MATRIX_PREFILL)
-
-
-# A timed step whose split attention call is merged inside the o-projection (LlamaModel.o_merges)
-O_MERGE_NOTE = "the split attention's merge ran inside the o-projection, not in attention_ms"
-# ... or inside the o-projection's quantizer (LlamaModel.quantizer_merges)
-QUANTIZER_MERGE_NOTE = "the split attention's merge ran inside the o-projection's int8 quantizer, not in attention_ms"
-
 
 def query_contexts(n: int, start: int) -> list[int]:
     """The prefix each of a pass's n tokens attends to, after `start` cached tokens (causal)."""
     return list(range(start + 1, start + n + 1))
-
-
-class PlanKey(NamedTuple):
-    """What fixes the dispatches of a pass: its attention kernels (the nest, the layout, whether
-    split: S itself is a per-step value, so a plan and its recording serve every S) and argmax vs
-    sampler."""
-
-    nest: str
-    layout: str | None
-    split: bool
-    greedy: bool
-    one_pass: bool = False  # one compute pass, attention untimed (RunOptions.time_attention_every)
-    o_merges: bool = False  # the o-projection merges the split call (LlamaModel.o_merges: S decides)
-    prefill_matmuls: str = ""  # a prefill pass's matmul builds (LlamaModel.prefill_matmuls)
-
-    @classmethod
-    def of(cls, choice: AttentionChoice, greedy: bool, one_pass: bool = False, o_merges: bool = False,
-           prefill_matmuls: str = "") -> "PlanKey":
-        return cls(choice.nest, choice.layout, choice.split, greedy, one_pass, o_merges, prefill_matmuls)
 
 
 class LlamaModel:
@@ -105,8 +76,8 @@ class LlamaModel:
         # bind groups are made once per plan, and only attention's and the sampler's values change.
         # Once a plan has run, its passes are recorded and later steps replay them (in the page,
         # with one call into JS).
-        self._plans: dict[PlanKey, DispatchPlan] = {}
-        self._recorded: dict[PlanKey, object] = {}
+        self._plans: dict[PassPlan, DispatchPlan] = {}  # PassPlan.key -> its bound dispatches
+        self._recorded: dict[PassPlan, object] = {}  # ... and their recording
         self._inputs_written: dict[str, tuple] = {}  # name -> (buffer, bytes) last written (`_write_changed`)
         self._last_pass_tokens = 0  # tokens of the last submitted pass (1: a decode step)
         self._all_stamps_written = False  # a pass has written every timestamp query (`_times_attention`)
@@ -174,22 +145,6 @@ class LlamaModel:
         except ValueError as err:
             raise ModelError(str(err)) from err
 
-    def o_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
-        """Whether a pass of n tokens with this attention choice merges the split call's partial
-        states in the o-projection instead of a merge dispatch: one-token passes only (the merging
-        o-projection is a decode build); RunOptions.merge_in_o (True: wherever the shape has the
-        kernel), by default where contract.kernels.o_merges_splits says it pays; never where the
-        int8_x quantizer merges it (`quantizer_merges`)."""
-        if n != 1 or not choice.split or self.run.merge_in_o is False or "o_residual_merge_decode" not in self.kernel_names \
-                or self.quantizer_merges(choice, n):
-            return False
-        return self.run.merge_in_o or o_merges_splits(self.config, self.dtype, choice.num_splits)
-
-    def int8_x(self, n: int) -> bool:
-        """Whether a pass of n tokens runs the int8_x decode matmuls: one-token passes with the norms
-        folded (the only roles built so), where the model loaded them."""
-        return self.matmul_int8_x and n == 1 and self.run.fold_norms
-
     def runs_prefill_matrix(self, run: RunOptions | None = None) -> bool:
         """Whether prefill passes run the matmuls' subgroup-matrix builds (RunOptions.prefill_matrix)."""
         run = run or self.run
@@ -226,18 +181,23 @@ class LlamaModel:
             return PREFILL_ON_MATRICES
         return AttentionChoice("prefill")
 
-    def prefill_matmuls(self, n: int) -> str:
-        """Which prefill matmuls a pass of n tokens runs, as the overlay names them ("" for one token)."""
-        if n == 1:
-            return ""
-        matrix = self.runs_prefill_matrix()
-        tile = f"{SHORT_PREFILL_TOKENS if short_token_tile(n, matrix) else PREFILL_TOKEN_TILE}-token"
-        return f"{'subgroup-matrix' if matrix else 'scalar'} matmuls, {tile} tiles"
-
-    def quantizer_merges(self, choice: AttentionChoice, n: int = 1) -> bool:
-        """Whether a pass of n tokens merges the split call in the o-projection's quantizer (int8_x:
-        one-token passes)."""
-        return choice.split and self.int8_x(n)
+    def plan_pass(self, n: int, start: int, greedy: bool = True) -> PassPlan:
+        """Every choice of a pass of n tokens after `start` cached ones, by model_glue.policy's rules:
+        its attention; the int8_x decode matmuls (one-token passes with the norms folded, where loaded);
+        where a split call's merge runs (the int8 quantizer before o where int8_x runs, else the
+        o-projection where the shape has that build and the rule says it pays, else the merge
+        dispatch); the prefill matmuls' builds and token tile."""
+        run, context = self.run, start + n
+        attention = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
+        int8_x = self.matmul_int8_x and n == 1 and run.fold_norms
+        quantizer_merges = attention.split and int8_x
+        o_merges = (n == 1 and not quantizer_merges and "o_residual_merge_decode" in self.kernel_names
+                    and merges_in_o(self.config, self.dtype, attention, run.merge_in_o))
+        matrix = n > 1 and self.runs_prefill_matrix()
+        return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),
+                        o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x,
+                        down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up, matrix_matmuls=matrix,
+                        short_tile=n > 1 and short_token_tile(n, matrix))
 
     def attention_kernels(self, choice: AttentionChoice) -> list:
         """The compiled kernels of one attention call, in dispatch order."""
@@ -281,44 +241,37 @@ class LlamaModel:
         if token_ids is None and not self.pipeline.in_flight and not self.cached_ids:
             raise ModelError("no token on the GPU to continue from: run the prompt first")
         self.pipeline.check_room(self.run.pipeline_depth)
-        greedy = sampling is None or sampling.greedy
         start = self.kv.length
         context = start + n  # the last token sees the prefix and every token of the pass
-        # a decode step asks which kernels; a prefill pass runs the causal prefill kernel, or a short
-        # one the decode kernels over a batch of its tokens
-        choice = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
+        plan = self.plan_pass(n, start, greedy=sampling is None or sampling.greedy)
         slots = self.kv.reserve(n)
         self.ensure_scratch(n)
         if token_ids is not None:
             self.cached_ids.extend(token_ids)  # an id still on the GPU is added by the `finish` that reads it
         nnz_pages = self._write_inputs(token_ids, start, slots,
-                                       [context] if choice.nest == "prefill" else query_contexts(n, start))
+                                       [context] if plan.attention.nest == "prefill" else query_contexts(n, start))
 
         batch = self.device.batch()
-        one_pass = not self._times_attention(n, context)
-        key = PlanKey.of(choice, greedy, one_pass, self.o_merges(choice, n), self.prefill_matmuls(n))
-        recorded = self._recorded.get(key) if n == 1 and self.run.replay else None
+        recorded = self._recorded.get(plan.key) if n == 1 and self.run.replay else None
         if recorded is not None:  # a decode pass as before: new per-step values, the same dispatches
-            self._plans[key].refresh(per_step_values(self, choice, nnz_pages, sampling, draw))
+            self._plans[plan.key].refresh(per_step_values(self, plan, nnz_pages, sampling, draw))
             batch.replay(recorded)
         else:
             # A prefill pass goes through a plan too, every value per step (n differs): its dispatches
             # are bound once, and a later prompt only rewrites a few uniforms.
-            plan = self._plans.setdefault(key, DispatchPlan())
+            bound = self._plans.setdefault(plan.key, DispatchPlan())
             record = n == 1 and self.run.replay
             batch.tape = [] if record else None
-            encode_forward(self, PassEncoder(batch, self.pipeline.stamps, plan, every_value_per_step=n > 1,
-                                             one_pass=one_pass), n, choice, nnz_pages, sampling, draw)
+            encode_forward(self, PassEncoder(batch, self.pipeline.stamps, bound, every_value_per_step=n > 1,
+                                             one_pass=plan.one_pass), plan, nnz_pages, sampling, draw)
             if record:
-                self._recorded[key] = self.device.record(batch.stop_recording(), plan.per_step_bounds)
-        kernel = f"{choice} · {key.prefill_matmuls}" if key.prefill_matmuls else str(choice)
-        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, choice.nest, kernel, None, 0.0,
-                          timing_note=O_MERGE_NOTE if key.o_merges else
-                          QUANTIZER_MERGE_NOTE if self.quantizer_merges(choice, n) else "")
+                self._recorded[plan.key] = self.device.record(batch.stop_recording(), bound.per_step_bounds)
+        stats = StepStats(kind or ("prefill" if n > 1 else "decode"), n, context, plan.attention.nest,
+                          plan.kernel_label, None, 0.0, timing_note=plan.timing_note)
         self._last_pass_tokens = n
-        self._all_stamps_written |= not one_pass
+        self._all_stamps_written |= not plan.one_pass
         return self.pipeline.submit(batch, self.buffers["next_id"], stats, start=start,
-                                    input_on_gpu=token_ids is None, started=started, attention_timed=not one_pass)
+                                    input_on_gpu=token_ids is None, started=started, attention_timed=not plan.one_pass)
 
     def _times_attention(self, n: int, context: int) -> bool:
         """Whether this pass times each layer's attention (else it is one compute pass): every prefill,
@@ -385,13 +338,13 @@ class LlamaModel:
         if self.pipeline.in_flight or not self.cached_ids:
             raise ModelError("profile a step after a finished run, with no pass in flight")
         start = self.kv.length
-        choice = self._choose([start + 1])
+        plan = self.plan_pass(1, start)
         slots = self.kv.reserve(1)
         self.ensure_scratch(1)
         nnz_pages = self._write_inputs(None, start, slots, [start + 1])
         batch = self.device.batch()
         enc = ProfilingEncoder(batch, stamps)
-        encode_forward(self, enc, 1, choice, nnz_pages, None, 0.0)
+        encode_forward(self, enc, plan, nnz_pages, None, 0.0)
         if 2 * len(enc.dispatches) != stamps.count:  # resolve only written queries (unwritten ones can hang)
             batch.submit()
             self.reset()
@@ -400,7 +353,7 @@ class LlamaModel:
         batch.submit()
         ticks = await stamps.read_ns()
         self.reset()
-        return choice, [(name, buffers, ticks[2 * i + 1] - ticks[2 * i]) for i, (name, buffers) in enumerate(enc.dispatches)]
+        return plan.attention, [(name, buffers, ticks[2 * i + 1] - ticks[2 * i]) for i, (name, buffers) in enumerate(enc.dispatches)]
 
     def reset(self) -> None:
         self.kv.reset()

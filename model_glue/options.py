@@ -3,7 +3,8 @@
 The page (or a benchmark, a test, the CLI) builds it; `ChatSession.reply` and `generate` pass it
 on unchanged; `LlamaModel.use` checks it against the loaded model and makes it the options of the
 passes that follow. `max_context` (it sizes the KV cache), `matmul_subgroups` and `matmul_int8_x`
-(which kernels compile) are chosen at load; every other field may change per request. A None field means "this adapter's default" (`resolved`).
+(which kernels compile) are chosen at load; every other field may change per request. A None field
+means "this adapter's default" (`resolved`, by model_glue.policy.option_defaults).
 """
 
 from __future__ import annotations
@@ -13,31 +14,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from contract.attention import NEST_CHOICES, LayoutChoice
 from model_glue.errors import ModelError
+from model_glue.policy import option_defaults
 
-# Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
-# A GPU wants large chunks: the prefill kernels' tiles (128 tokens x 64 weight rows, 64 query rows)
-# fill its SMs only from a few thousand tokens on (H200, `python -m app bench prefill`: 3,000 tokens
-# at 26k tok/s in chunks of 2,048, 35k in one of 4,096). A CPU rasterizer has no idle cores to fill,
-# and smaller chunks keep the stop button responsive there.
-GPU_PREFILL_CHUNK = 4096
-CPU_PREFILL_CHUNK = 256
-# Decode steps in flight at once. The page learns of a finished step a while after it ends (mapAsync
-# goes through Chromium's GPU process): on the H200, from a step's end on the GPU to the host's next
-# submission starting there is ~2.2 ms (the GPU's gap between passes at depth 2, against 0.035 ms
-# when it never waits). The steps queued behind the one being read must cover that and the host's
-# occasional longer pauses: at depth 4 the 1B shape's steps (1 ms) still stalled now and then
-# (gaps up to 1.5 ms; one run of eight at 764 instead of 910-942 tok/s); at 6 and 8 the worst gap was
-# 0.043 ms (934-947 tok/s at 3,060 tokens; three page loads, two device calls, docs/benchmarks.md).
-# A stop discards the steps in flight.
-# A CPU rasterizer's step takes 100s of ms, far beyond that round trip: it keeps 4, as before (more
-# steps in flight would only add work a stop throws away).
-GPU_PIPELINE_DEPTH = 6
-CPU_PIPELINE_DEPTH = 4
-# Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every).
-# Measured on the H200 (docs/benchmarks.md, natively): SmolLM2 at 1,536 tokens 1.166 ms a step in one
-# pass, 1.643 with every layer's attention timed (61 passes), 1.234 with one step in 8 timed: 5.8% over
-# one pass (the 1B shape 3.5%, the 8B 1.8%), above issue 25's 5% bar; hence one in 16.
-ATTENTION_TIMING_EVERY = 16
 MAX_PIPELINE_DEPTH = 8  # readback buffers allocated per model; a prefill needs 2 (chunk i+1 before i's id)
 
 
@@ -45,53 +23,49 @@ MAX_PIPELINE_DEPTH = 8  # readback buffers allocated per model; a prefill needs 
 class RunOptions:
     # Tokens the KV cache holds (prompt + reply), at most the model's context length. Load time only.
     max_context: int | None = None
-    # The decode attention nest: "auto" (pick_decode_nest), or "tiled" / "sharded" forced (comparison mode).
+    # The decode attention nest: "auto" (model_glue.policy.pick_decode_nest), or "tiled" / "sharded"
+    # forced (comparison mode).
     attention: str = "auto"
     # The sharded nest held to a layout and split count (benchmarks, tests): a LayoutChoice, or its text
-    # such as "shards:8", parsed once here. None: the adapter's rule (model_glue.attention.pick_layout).
+    # such as "shards:8", parsed once here. None: the adapter's rule (model_glue.policy.pick_layout).
     layout: LayoutChoice | None = None
     # Replay recorded decode passes (in the page: one call into JS); False encodes every pass in Python.
     replay: bool = True
-    # Fold each RMSNorm into the matmul after it and SwiGLU into gate/up (6 dispatches a layer instead
-    # of 9). None: on GPUs, not on CPU rasterizers (there the folds cost more than the dispatches they save).
+    # Fold each RMSNorm into the matmul after it and SwiGLU into gate/up (6 dispatches a layer instead of 9).
     fold_norms: bool | None = None
-    # Prompt tokens per prefill pass. None: GPU_PREFILL_CHUNK on GPUs, CPU_PREFILL_CHUNK on CPU rasterizers.
+    # Prompt tokens per prefill pass (longer prompts go in chunks; the stop button acts between them).
     prefill_chunk: int | None = None
-    # Decode steps in flight (2..MAX_PIPELINE_DEPTH). None: GPU_PIPELINE_DEPTH on GPUs, CPU_PIPELINE_DEPTH on CPU rasterizers.
+    # Decode steps in flight (2..MAX_PIPELINE_DEPTH); a stop discards them.
     pipeline_depth: int | None = None
-    # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds
-    # its passes bound (model_glue.loading.warm_up). None: on GPUs, not on CPU rasterizers (seconds there). Load time only.
+    # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds its
+    # passes bound (model_glue.loading.warm_up). Load time only.
     warm_up: bool | None = None
     # Time each layer's attention (in a timed compute pass of its own) in every Nth decode step: where
     # the context is a multiple of N, and the first step after a prompt. The other steps are one compute
-    # pass, timed as a whole (attention_ms None): on an H200 the 61 passes of a timed SmolLM2 step cost
-    # 29% of its GPU time. 1: every step; 0: none. None: ATTENTION_TIMING_EVERY.
+    # pass, timed as a whole (attention_ms None). 1: every step; 0: none.
     time_attention_every: int | None = None
-    # A split attention call's partial states merged inside the o-projection (one dispatch a layer
-    # fewer) rather than by the merge kernel. None: where contract.kernels.o_merges_splits says it pays
-    # (the o workgroups' reads of the states stay small); True: always; False: never. Where the int8
-    # decode matmuls run (matmul_int8_x), the o-projection's quantizer merges instead, whatever this says.
+    # A split attention call's partial states merged inside the o-projection (one dispatch a layer fewer)
+    # rather than by the merge kernel. None: where model_glue.policy.merges_in_o says it pays; True:
+    # wherever the shape has the kernel; False: never. Where the int8 decode matmuls run (matmul_int8_x),
+    # the o-projection's quantizer merges instead, whatever this says.
     merge_in_o: bool | None = None
     # The decode matmuls' subgroup builds (lanes' partials added by shuffles; contract.kernels.
     # MatmulSpec.subgroup_lanes). None: where this adapter's subgroups fit a build the artifact has;
     # True: required; False: never (benchmarks compare the two). Load time only.
     matmul_subgroups: bool | None = None
-    # The decode step's q4 matmuls reading x as int8 codes made by a quantize dispatch before each,
-    # with integer dot products (contract.kernels.MatmulSpec.int8_x; with the norms folded, beside the
-    # subgroup builds). None: for models of model_glue.loading.INT8_X_MIN_DIM or wider (where they pay),
-    # if the artifact has them for the subgroup build this adapter runs; True: required; False: never
-    # (benchmarks compare the two). Load time only.
+    # The decode step's q4 matmuls reading x as int8 codes made by a quantize dispatch before each, with
+    # integer dot products (contract.kernels.MatmulSpec.int8_x). None: model_glue.policy.pick_matmul_int8_x's
+    # rule; True: required; False: never (benchmarks compare the two). Load time only.
     matmul_int8_x: bool | None = None
     # The prefill matmuls on subgroup matrices (the tensor cores; contract.kernels.MatmulSpec.matrix),
-    # where the model loaded them (model_glue.loading.pick_prefill_matrix: the adapter offers them, f16,
-    # folded norms). None: wherever loaded; True: required (an error where they were not loaded, with
-    # the reason); False: the scalar tiled kernels (benchmarks and the check compare the two).
+    # where the model loaded them (model_glue.policy.pick_prefill_matrix). None: wherever loaded; True:
+    # required (an error where they were not loaded, with the reason); False: the scalar tiled kernels.
     prefill_matrix: bool | None = None
     # The prefill attention's subgroup-matrix build (kernels.prefill_attention_matrix). None: wherever
     # those matmuls run and the artifact has it for the shape; True: required (an error where it cannot
     # run, with the reason); False: the scalar causal kernel (benchmarks and the check compare the two).
     prefill_attention_matrix: bool | None = None
-    # A prefill pass of at most model_glue.attention.DECODE_BATCH_MAX_TOKENS tokens (a chat's follow-up turn)
+    # A prefill pass of at most model_glue.policy.DECODE_BATCH_MAX_TOKENS tokens (a chat's follow-up turn)
     # runs its attention with the decode kernels, a batch of its tokens each over its own prefix
     # (LlamaModel.prefill_attention); False: the causal prefill kernel (benchmarks compare the two).
     short_prefill_decode_attention: bool = True
@@ -131,13 +105,10 @@ class RunOptions:
     def resolved(self, *, is_cpu: bool, context_length: int) -> "RunOptions":
         """Every None filled with this adapter's default; max_context capped at the model's context."""
         self.check()
+        defaults = option_defaults(is_cpu)
         return replace(self, max_context=min(self.max_context or context_length, context_length),
-                       fold_norms=not is_cpu if self.fold_norms is None else self.fold_norms,
-                       prefill_chunk=self.prefill_chunk or (CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK),
-                       pipeline_depth=self.pipeline_depth or (CPU_PIPELINE_DEPTH if is_cpu else GPU_PIPELINE_DEPTH),
-                       warm_up=not is_cpu if self.warm_up is None else self.warm_up,
-                       time_attention_every=ATTENTION_TIMING_EVERY if self.time_attention_every is None
-                       else self.time_attention_every)
+                       **{name: defaults[name] if getattr(self, name) is None else getattr(self, name)
+                          for name in defaults})
 
     def merged(self, request: "RunOptions | None") -> "RunOptions":
         """A request's options over these (resolved) ones: the request's None fields keep ours."""

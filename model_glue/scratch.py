@@ -9,7 +9,8 @@ from __future__ import annotations
 from contract.attention import MAX_SPLITS
 from contract.kernels import head_spec
 from contract.model import LlamaConfig
-from model_glue.attention import DECODE_BATCH_MAX_TOKENS, split_workspace_bytes
+from model_glue.attention import split_workspace_bytes
+from model_glue.policy import DECODE_BATCH_MAX_TOKENS
 from model_glue.kv_cache import PagedKVCache
 
 # Buffers of one token whatever the pass: the last token's hidden state, its logits, the head's

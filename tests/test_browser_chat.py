@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from conftest import open_page, run_comparison
-from model_glue.options import ATTENTION_TIMING_EVERY
+from model_glue.policy import ATTENTION_TIMING_EVERY
 
 pytestmark = pytest.mark.browser
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"

@@ -23,8 +23,8 @@ from kernels.catalog import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_
                              grid_shape, subgroup_builds_for_tests)
 from kernels.decode_attention_sharded import layout_builds as shards_builds
 from kernels.paged_kv import MASKED_SCORE
-from model_glue.attention import (TILED_MAX_CONTEXT, context_length, pick_decode_nest, pick_layout,
-                                  pick_subgroup_build, split_workspace_bytes, tiled_defect)
+from model_glue.attention import context_length, split_workspace_bytes, tiled_defect
+from model_glue.policy import LAYOUT_RULES, TILED_MAX_CONTEXT, pick_decode_nest, pick_layout, pick_subgroup_build
 from contract.attention import LAYOUT_NAMES, MAX_SPLITS, AttentionChoice, LayoutChoice, subgroup_tag
 from contract.kernels import AttentionSpec, attention_kernel_name
 from contract.model import AttentionShape
@@ -365,6 +365,11 @@ def test_override_and_mixed_batch():
 
 def sharded(layout, splits=1):
     return AttentionChoice("sharded", layout, splits)
+
+
+def test_every_layout_has_a_rule_and_every_rule_a_layout():
+    """The registry (contract.attention) and the runtime's ranks (model_glue.policy) name the same layouts."""
+    assert set(LAYOUT_RULES) == set(LAYOUT_NAMES)
 
 
 def test_pick_layout():

@@ -14,11 +14,11 @@ from model_glue.artifact import folder_readers
 from convert.weights import load_artifact_weights, write_random_artifact
 from contract.attention import NESTS, AttentionChoice
 from contract.model import TEST_MODEL_CONFIGS
-from model_glue.attention import DECODE_BATCH_MAX_TOKENS
+from model_glue.policy import DECODE_BATCH_MAX_TOKENS
 from model_glue.errors import ModelError
 from model_glue.generate import generate
 from model_glue.loading import load_model
-from model_glue.model import PlanKey
+from model_glue.pass_plan import PassPlan
 from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
 
@@ -267,7 +267,7 @@ def test_real_model_logits_match_reference(loop, smollm2):
 def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_library, tiny_dir):
     model = load(loop, gpu, test_library, tiny_dir, "float32")
     loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=6, options=RunOptions(attention="tiled")))
-    plan = model._plans[PlanKey.of(AttentionChoice("tiled"), greedy=True)]
+    plan = model._plans[PassPlan(1, AttentionChoice("tiled"), greedy=True, fold_norms=model.run.fold_norms)]
     attention = model.attention.tiled
     assert plan.per_step_kernels == [attention] * model.config.n_layers  # the context grows, nothing else
     assert plan.uniform_writes_per_step == 1  # every layer's attention reads the same uniform
@@ -283,12 +283,12 @@ def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_d
                                                options=RunOptions(attention="sharded", layout=layout)))
         assert {s.kernel for s in run.stats if s.kind == "decode"} == {f"shards S={layout[-1]}"}
     # the tiny model's o-projection merges the splits at S = 2 and 4 (contract.kernels.o_merges_splits)
-    keys = [PlanKey.of(AttentionChoice("sharded", "shards", 2), greedy=True, one_pass=one_pass, o_merges=True)
+    keys = [PassPlan(1, AttentionChoice("sharded", "shards", 2), True, model.run.fold_norms, one_pass, o_merges=True)
             for one_pass in (False, True)]
-    assert keys == [PlanKey.of(AttentionChoice("sharded", "shards", 4), greedy=True, one_pass=one_pass, o_merges=True)
-                    for one_pass in (False, True)]
-    decode_plans = [k for k in model._plans if k.nest == "sharded" and not k.prefill_matmuls]  # the 3-token prompt's too
-    assert sorted(decode_plans) == keys and all(k in model._recorded for k in keys)
+    assert keys == [PassPlan(1, AttentionChoice("sharded", "shards", 4), True, model.run.fold_norms, one_pass,
+                             o_merges=True).key for one_pass in (False, True)]
+    decode_plans = [k for k in model._plans if k.attention.nest == "sharded" and not k.prefill]  # not the prompt's
+    assert sorted(decode_plans, key=lambda k: k.one_pass) == keys and all(k in model._recorded for k in keys)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -351,7 +351,7 @@ def test_the_int8_x_quantizer_merges_a_split_call(loop, gpu, test_library, tiny_
     want = tiny_reference.forward(prompt + run.token_ids[:-1], 0)[-1]
     assert rel_l2(logits_of(loop, model), want) < INT8_LOGIT_TOLERANCE
     merging = model.kernels["quantize_merge_decode"].name
-    plans = [plan for key, plan in model._plans.items() if key.split and key.nest == "sharded"]
+    plans = [plan for key, plan in model._plans.items() if key.attention.split and key.attention.nest == "sharded"]
     assert plans and all(plan.per_step_kernels.count(merging) == model.config.n_layers for plan in plans)
     assert all(model.attention.merge not in plan.per_step_kernels for plan in plans)
 

@@ -7,7 +7,8 @@ import pytest
 from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
 from contract.attention import LayoutChoice
 from model_glue.errors import ModelError
-from model_glue.options import CPU_PIPELINE_DEPTH, GPU_PIPELINE_DEPTH, RunOptions
+from model_glue.options import RunOptions
+from model_glue.policy import CPU_PIPELINE_DEPTH, GPU_PIPELINE_DEPTH
 
 
 def test_an_nvidia_adapter_without_shader_f16_is_told_why_and_the_flag():

@@ -83,7 +83,7 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
                           f"{r['gpu_ms']:8.2f} ms (attention {r['attention_ms']:7.2f}) {r['tok_s_gpu'] or 0:9.0f} "
                           f"tok/s, TTFT {r['ttft_ms']:8.1f} ms  [{r['kernel']}]", flush=True)
         for most in short_tile_max:  # the follow-ups again, the short token tile run by passes of up to `most` tokens
-            bench = in_page(tab, setup + "import contract.kernels as ck\n"
+            bench = in_page(tab, setup + "import model_glue.policy as ck\n"
                                  "saved = ck.SHORT_TILE_MAX_TOKENS, ck.MATRIX_SHORT_TILE_MAX_TOKENS\n"
                                  f"ck.SHORT_TILE_MAX_TOKENS = ck.MATRIX_SHORT_TILE_MAX_TOKENS = {most}\n"
                                  f"try:\n  out = await pc.prefill_benchmark(model, tokens=(), matrix=None, "
@@ -222,7 +222,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=8192, help="the page's ?context= (the KV cache's tokens)")
     parser.add_argument("--short-tile-max", default="",
                         help="comma-separated: the follow-up turns again with the matmuls' short token tile run by "
-                             "passes of up to this many tokens (contract.kernels.SHORT_TILE_MAX_TOKENS and its matrix twin)")
+                             "passes of up to this many tokens (model_glue.policy.SHORT_TILE_MAX_TOKENS and its matrix twin)")
     args = parser.parse_args()
     gpu_page.OUT.mkdir(parents=True, exist_ok=True)
     gpu_page.ensure_wrapper()

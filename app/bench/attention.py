@@ -29,7 +29,8 @@ import numpy as np
 from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
 from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
-from model_glue.attention import AttentionKernels, pick_layout, resolve_attention_kernels, runnable_builds
+from model_glue.attention import AttentionKernels, resolve_attention_kernels, runnable_builds
+from model_glue.policy import pick_layout
 from model_glue.clock_warmer import STREAM_GROUP_WORDS, STREAM_WORDS as CLOCK_STREAM_WORDS, ClockWarmer
 from contract.model import BENCH_SHAPES, MODEL_CONFIGS
 from model_glue.webgpu_native import WgpuDevice
