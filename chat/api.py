@@ -49,9 +49,6 @@ CALLS = (
     # opens WebGPU and the kernel artifact; also starts chat.page.watch_device and returns describe_device
     Call("openSession", "open_session", args=("kernelsUrl",), worker=True),
     Call("selfTest", "self_test", handles=("session",)),
-    # bounded work that raises the GPU's clocks while the user types (model_glue.clock_warmer)
-    Call("warmGpu", "warm_gpu", handles=("session",), args=("seconds",)),
-    Call("stopWarm", "stop_warm", handles=("session",)),  # a reply starts: the warm stops after its batch
     Call("labDefaults", "lab_defaults", handles=("session",)),
     # fetches the weights through the browser's cache first, then loads the model (the result: chat_info)
     Call("openChat", "open_chat", args=("base", "options", "weights"), events=("weights", "fetched", "progress"),
@@ -81,11 +78,10 @@ HOOKS_PATH = "hooks/"
 
 def constants() -> dict:
     """What the page would otherwise copy from the runtime (name -> JSON value)."""
-    from chat.page import LAB_MAX_ITERS, WARM_GAP_SECONDS, WARM_SECONDS  # chat.page imports the WebGPU seam
+    from chat.page import LAB_MAX_ITERS  # chat.page imports the WebGPU seam
 
     return {"SWITCH_AT": TILED_MAX_CONTEXT, "STOPPED_IN_PREFILL": STOPPED_IN_PREFILL,
-            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS,
-            "WARM_SECONDS": WARM_SECONDS, "WARM_GAP_SECONDS": WARM_GAP_SECONDS}
+            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS}
 
 
 def page_api_js() -> str:

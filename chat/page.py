@@ -14,7 +14,6 @@ import random
 import struct
 
 from model_glue.artifact import KernelLibrary, http_readers
-from model_glue.clock_warmer import PAGE_MAX_BATCH, ClockWarmer
 from model_glue.errors import ModelError
 from model_glue.device import open_device
 from model_glue.webgpu import DeviceLostError
@@ -31,7 +30,6 @@ class Session:
     def __init__(self, device, library):
         self.device = device
         self.library = library
-        self.warmer = ClockWarmer(device, library, max_batch=PAGE_MAX_BATCH)
 
     @classmethod
     async def open(cls, read_text) -> "Session":
@@ -89,25 +87,6 @@ def describe_device(session: Session) -> str:
 async def self_test(session: Session) -> str:
     """The probe kernel against Python's sums (JSON)."""
     return json.dumps(await session.run_probe())
-
-
-# With `?warm=on`, while the user types the page runs a warm (model_glue.clock_warmer) of WARM_SECONDS at
-# most every WARM_SECONDS + WARM_GAP_SECONDS. Off by default: measured on the H200 it slowed the reply.
-WARM_SECONDS = 0.4
-WARM_GAP_SECONDS = 0.3
-
-
-async def warm_gpu(session: Session, seconds: float) -> str:
-    """Bounded streaming work that raises the GPU's clocks before a reply (JSON: seconds, dispatches,
-    cancelled). A CPU adapter has no clocks to raise: its warm is skipped (the page then stops asking)."""
-    if session.device.is_cpu:
-        return json.dumps({"seconds": 0, "dispatches": 0, "skipped": "a CPU adapter has no GPU clocks to raise"})
-    return json.dumps(await session.warmer.warm(min(float(seconds), 2 * WARM_SECONDS)))
-
-
-def stop_warm(session: Session) -> None:
-    """Stop a running warm (a reply is about to start)."""
-    session.warmer.cancel()
 
 
 async def watch_device(session: Session, on_lost) -> None:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
-from contract.kernels import MATRIX_MATMULS, PAGE_SIZE, llama_kernels, prefill_matmul_role
+from contract.kernels import LAYER_MATMULS, MATRIX_MATMULS, PAGE_SIZE, Matmul, llama_kernels, matmul_role
 from contract.model import DTYPE_BYTES
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS, short_token_tile
 
@@ -39,14 +39,12 @@ TIMED_ITERS, TIMED_ROUNDS = 5, 2
 ATTENTION_CASES = ((0, 150), (300, 20))
 ATTENTION_SAMPLES = 24
 KEY_GROWTH = 128
-# the weight matrix each prefill matmul reads (contract.kernels.LAYER_MATMULS)
-WEIGHTS = {"norm_qkv": "qkv", "qkv": "qkv", "o_residual": "o", "norm_gate_up_swiglu": "gate_up", "gate_up": "gate_up",
-           "down_residual": "down"}
 
 
-def _builds(model) -> list[tuple[str, bool]]:
+def _builds(model) -> list[tuple[Matmul, bool]]:
     """(matmul, matrix) of each prefill matmul build the model runs."""
-    matmuls = MATRIX_MATMULS if model.run.fold_norms else ("qkv", "o_residual", "gate_up", "down_residual")
+    matmuls = MATRIX_MATMULS if model.run.fold_norms else (Matmul.QKV, Matmul.O_RESIDUAL, Matmul.GATE_UP,
+                                                           Matmul.DOWN_RESIDUAL)
     return [(m, matrix) for m in matmuls for matrix in ((False, True) if model.has_prefill_matrix else (False,))]
 
 
@@ -118,7 +116,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
     rows = []
     for matmul, matrix in _builds(model):
         for n in CHECK_TOKENS:
-            role = prefill_matmul_role(matmul, short_token_tile(n, matrix), matrix)
+            role = matmul_role(matmul, prefill=True, short=short_token_tile(n, matrix), matrix=matrix)
             spec = replace(_spec(model, role), out_features=CHECK_ROWS)
             inputs = CheckInputs(spec, n, model.dtype, rng)
             esize = DTYPE_BYTES[model.dtype]
@@ -161,9 +159,9 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
         resid = device.storage_buffer(n * c.dim * esize)
         try:
             for matmul, matrix in _builds(model):
-                role = prefill_matmul_role(matmul, short_token_tile(n, matrix), matrix)
+                role = matmul_role(matmul, prefill=True, short=short_token_tile(n, matrix), matrix=matrix)
                 spec, kernel = _spec(model, role), model.kernels[role]
-                weight = f"layers.0.{WEIGHTS[matmul]}"
+                weight = f"layers.0.{LAYER_MATMULS[matmul]}"
                 buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[f"{weight}.q4"],
                            "scale": model.weights[f"{weight}.scale"], "wmin": model.weights[f"{weight}.min"],
                            "norm": model.weights["layers.0.attn_norm" if "qkv" in matmul else "layers.0.ffn_norm"]}

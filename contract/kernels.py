@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from functools import lru_cache
 
 from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
@@ -348,21 +349,58 @@ class KernelRole:
 # reads). On GPUs a decode step's layer is norm_qkv_rope_append, attention, o_residual,
 # norm_gate_up_swiglu and down_residual (a prefill pass: norm_qkv, then rope_append); CPU rasterizers
 # run rms_norm, qkv, rope_append, ..., rms_norm, gate_up, swiglu, down_residual.
-LAYER_MATMULS = {
-    "norm_qkv": "qkv",  # qkv = norm(x) @ Wqkv^T
-    "qkv": "qkv",
-    "o_residual": "o",  # x_mid = x + attn @ Wo^T
-    "norm_gate_up_swiglu": "gate_up",  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
-    "gate_up": "gate_up",
-    "down_residual": "down",  # x = x_mid + h @ Wdown^T
-}
+class Matmul(StrEnum):
+    """A layer's matmul, named by what is folded into it; its kernels' roles are `matmul_role`'s."""
+
+    NORM_QKV = "norm_qkv"  # qkv = norm(x) @ Wqkv^T
+    QKV = "qkv"
+    O_RESIDUAL = "o_residual"  # x_mid = x + attn @ Wo^T
+    NORM_GATE_UP_SWIGLU = "norm_gate_up_swiglu"  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
+    GATE_UP = "gate_up"
+    DOWN_RESIDUAL = "down_residual"  # x = x_mid + h @ Wdown^T
+    # decode builds only: GPUs' qkv with RoPE and the K/V append as its epilogue; the o-projection that
+    # merges a split attention call's partial states
+    NORM_QKV_ROPE_APPEND = "norm_qkv_rope_append"
+    O_RESIDUAL_MERGE = "o_residual_merge"
 
 
-# The decode step's q4 matmuls that have an int8_x form (role + INT8_X_SUFFIX in `llama_kernels`,
-# MatmulSpec.int8_x: x read as int8 codes), and the quantizer dispatch before each (kernels.quantize_x).
+class Role(StrEnum):
+    """A forward-pass kernel other than a layer's matmul, as `llama_kernels` and LlamaModel.kernels key it."""
+
+    EMBED = "embed"
+    RMS_NORM = "rms_norm"
+    ROPE_APPEND = "rope_append"
+    SWIGLU = "swiglu"
+    NORM_LM_HEAD = "norm_lm_head"  # the head with the final norm folded in
+    LM_HEAD = "lm_head"
+    ARGMAX = "argmax"
+    SAMPLE = "sample"
+    # the int8_x decode step's quantizers (kernels.quantize_x): x times a norm's weight, attention's
+    # output, the split call's partial states merged, the SwiGLU output
+    QUANTIZE_NORM = "quantize_norm_decode"
+    QUANTIZE_ATTN = "quantize_attn_decode"
+    QUANTIZE_MERGE = "quantize_merge_decode"
+    QUANTIZE_FFN = "quantize_ffn_decode"
+
+
+# The weight matrix each layer matmul reads (its .q4, .scale and .min tensors)
+LAYER_MATMULS = {Matmul.NORM_QKV: "qkv", Matmul.QKV: "qkv", Matmul.O_RESIDUAL: "o", Matmul.NORM_GATE_UP_SWIGLU: "gate_up",
+                 Matmul.GATE_UP: "gate_up", Matmul.DOWN_RESIDUAL: "down"}
+
+
+# The decode step's q4 matmuls that have an int8_x form (MatmulSpec.int8_x: x read as int8 codes), and
+# the quantizer dispatch before each (kernels.quantize_x).
 INT8_X_SUFFIX = "_xi8"
-INT8_X_MATMULS = {"norm_qkv_rope_append_decode": "quantize_norm_decode", "o_residual_decode": "quantize_attn_decode",
-                  "norm_gate_up_swiglu_decode": "quantize_norm_decode", "down_residual_decode": "quantize_ffn_decode"}
+INT8_X_MATMULS = {Matmul.NORM_QKV_ROPE_APPEND: Role.QUANTIZE_NORM, Matmul.O_RESIDUAL: Role.QUANTIZE_ATTN,
+                  Matmul.NORM_GATE_UP_SWIGLU: Role.QUANTIZE_NORM, Matmul.DOWN_RESIDUAL: Role.QUANTIZE_FFN}
+
+
+def matmul_role(matmul: Matmul, *, prefill: bool = False, short: bool = False, matrix: bool = False,
+                int8_x: bool = False) -> str:
+    """The role of one build of a layer matmul: the decode or the prefill pass's, its short token tile
+    (`short`), its subgroup-matrix build (`matrix`), its int8_x form: the one place such a name is made."""
+    return (f"{matmul}_{'prefill' if prefill else 'decode'}{SHORT_SUFFIX * short}{MATRIX_SUFFIX * matrix}"
+            f"{INT8_X_SUFFIX * int8_x}")
 
 
 def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
@@ -371,7 +409,7 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     finds each as `spec.name` in the artifact and dispatches it with `spec.values`. The decode
     matmuls (the head's included) are the builds for `subgroup_lanes` (MatmulSpec.subgroup_lanes);
     with `int8_x` each of INT8_X_MATMULS also has its int8_x form (role + INT8_X_SUFFIX) and the
-    quantizers are roles too (a split call's merge then runs in `quantize_merge_decode`); where the
+    quantizers are roles too (a split call's merge then runs in `Role.QUANTIZE_MERGE`); where the
     gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
     (MatmulSpec.quantizes_y: no quantizer before down). With `prefill_matrix` (f16) the folded prefill
     matmuls also have their subgroup-matrix builds (role + MATRIX_SUFFIX, `matrix_roles`)."""
@@ -383,8 +421,8 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
                  else spec for role, spec in roles.items()}
     if not int8_x:
         return roles
-    int8_roles = {role + INT8_X_SUFFIX: replace(roles[role], int8_x=True) for role in INT8_X_MATMULS}
-    gate_up = "norm_gate_up_swiglu_decode" + INT8_X_SUFFIX
+    int8_roles = {matmul_role(m, int8_x=True): replace(roles[matmul_role(m)], int8_x=True) for m in INT8_X_MATMULS}
+    gate_up = matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True)
     if int8_roles[gate_up].columns_per_group == 16:  # a workgroup's columns are one chunk: it quantizes y for down
         int8_roles[gate_up] = replace(int8_roles[gate_up], quantizes_y=True)
     return {**roles, **int8_roles, **quantizer_roles(c, dtype)}
@@ -397,11 +435,11 @@ def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
     tag, width = DTYPE_TAGS[dtype], c.n_heads * c.head_dim
     plain = ("quantize_x", (dtype, False), ("x",) + QUANTIZED_X, f"quantize_x_{tag}")
     return {
-        "quantize_norm_decode": KernelRole("quantize_x", (dtype, True), ("x", "norm") + QUANTIZED_X,
+        Role.QUANTIZE_NORM: KernelRole("quantize_x", (dtype, True), ("x", "norm") + QUANTIZED_X,
                                            f"quantize_x_norm_{tag}", {"n": 1, "vecs": c.dim // 4}),
-        "quantize_attn_decode": KernelRole(*plain, {"n": 1, "vecs": width // 4}),
-        "quantize_ffn_decode": KernelRole(*plain, {"n": 1, "vecs": c.ffn_dim // 4}),
-        "quantize_merge_decode": KernelRole("quantize_x", (dtype, False, c.head_dim), SPLIT_WORKSPACE + QUANTIZED_X,
+        Role.QUANTIZE_ATTN: KernelRole(*plain, {"n": 1, "vecs": width // 4}),
+        Role.QUANTIZE_FFN: KernelRole(*plain, {"n": 1, "vecs": c.ffn_dim // 4}),
+        Role.QUANTIZE_MERGE: KernelRole("quantize_x", (dtype, False, c.head_dim), SPLIT_WORKSPACE + QUANTIZED_X,
                                             f"quantize_x_merge_d{c.head_dim}_{tag}",
                                             {"n": 1, "vecs": width // 4, "heads": c.n_heads}),
     }
@@ -409,23 +447,23 @@ def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
 
 def matmul_subgroup_lanes(specs: dict) -> int | None:
     """The subgroup build (MatmulSpec.subgroup_lanes) of a llama_kernels dict's decode matmuls."""
-    return specs["down_residual_decode"].subgroup_lanes
+    return specs[matmul_role(Matmul.DOWN_RESIDUAL)].subgroup_lanes
 
 
 def down_codes_from_gate_up(specs: dict) -> bool:
     """Whether an int8_x decode step's gate/up matmul writes down's codes of x (MatmulSpec.quantizes_y)."""
-    spec = specs.get("norm_gate_up_swiglu_decode" + INT8_X_SUFFIX)
+    spec = specs.get(matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True))
     return spec is not None and spec.quantizes_y
 
 
 def prefill_matrix(specs: dict) -> bool:
     """Whether a llama_kernels dict has the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)."""
-    return "down_residual_prefill" + MATRIX_SUFFIX in specs
+    return matmul_role(Matmul.DOWN_RESIDUAL, prefill=True, matrix=True) in specs
 
 
 def matmul_int8_x(specs: dict) -> bool:
     """Whether a llama_kernels dict's decode matmuls read int8 codes of x (MatmulSpec.int8_x)."""
-    return "down_residual_decode" + INT8_X_SUFFIX in specs
+    return matmul_role(Matmul.DOWN_RESIDUAL, int8_x=True) in specs
 
 
 def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
@@ -435,58 +473,53 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     head = head_spec(c, dtype)
     rope = rope_values(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling)
     roles = {
-        "embed": KernelRole("embedding_q8", (c.dim, dtype), ("ids", "q8", "scale", "out"), f"embed_q8_d{c.dim}_{tag}",
+        Role.EMBED: KernelRole("embedding_q8", (c.dim, dtype), ("ids", "q8", "scale", "out"), f"embed_q8_d{c.dim}_{tag}",
                             {"vocab": c.vocab_size}),
-        "rms_norm": KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
+        Role.RMS_NORM: KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
                                {"eps": c.rms_eps}),
-        "rope_append": KernelRole("rope_and_append", (c.head_dim, dtype, c.rope_scaling is not None),
+        Role.ROPE_APPEND: KernelRole("rope_and_append", (c.head_dim, dtype, c.rope_scaling is not None),
                                   ("qkv", "positions", "slots", "pages", "q"),
                                   f"rope_append_{rope_tag(c.head_dim, c.rope_scaling)}_{tag}", rope),
-        "swiglu": KernelRole("swiglu", (dtype,), ("gate_up", "h"), f"swiglu_{tag}", {"ffn_dim": c.ffn_dim}),
+        Role.SWIGLU: KernelRole("swiglu", (dtype,), ("gate_up", "h"), f"swiglu_{tag}", {"ffn_dim": c.ffn_dim}),
         # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
         # (value, index) for the argmax
-        "norm_lm_head": head,
-        "lm_head": head_spec(c, dtype, folded=False),
-        "argmax": KernelRole("argmax_partials", (), ("best", "out"), "argmax_partials",
+        Role.NORM_LM_HEAD: head,
+        Role.LM_HEAD: head_spec(c, dtype, folded=False),
+        Role.ARGMAX: KernelRole("argmax_partials", (), ("best", "out"), "argmax_partials",
                              {"groups": head.workgroups, "vocab": c.vocab_size}),
-        "sample": KernelRole("sample_top_k_top_p", (MAX_TOP_K,), ("logits", "out"), f"sample_top_k{MAX_TOP_K}",
+        Role.SAMPLE: KernelRole("sample_top_k_top_p", (MAX_TOP_K,), ("logits", "out"), f"sample_top_k{MAX_TOP_K}",
                              {"vocab": c.vocab_size}),
     }
     # GPUs' decode step: the qkv matmul with the norm folded in and RoPE + the K/V append as its epilogue
-    roles["norm_qkv_rope_append_decode"] = MatmulSpec(
+    roles[matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] = MatmulSpec(
         *weights["qkv"], dtype, norm_eps=c.rms_eps,
         rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
     if o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
-        roles["o_residual_merge_decode"] = o_merge_spec(c, dtype)
-    for phase in ("decode", "prefill"):
+        roles[matmul_role(Matmul.O_RESIDUAL_MERGE)] = o_merge_spec(c, dtype)
+    for prefill in (False, True):
         for matmul, weight in LAYER_MATMULS.items():
-            roles[f"{matmul}_{phase}"] = MatmulSpec(
+            roles[matmul_role(matmul, prefill=prefill)] = MatmulSpec(
                 *weights[weight], dtype, residual=matmul.endswith("_residual"),
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
-                tiled=phase == "prefill")
-        if phase == "prefill":
+                tiled=prefill)
+        if prefill:
             for matmul in LAYER_MATMULS:
-                roles[f"{matmul}_prefill{SHORT_SUFFIX}"] = replace(roles[f"{matmul}_prefill"],
-                                                                   token_tile=SHORT_PREFILL_TOKENS)
+                roles[matmul_role(matmul, prefill=True, short=True)] = replace(
+                    roles[matmul_role(matmul, prefill=True)], token_tile=SHORT_PREFILL_TOKENS)
     return roles
-
-
-def prefill_matmul_role(matmul: str, short: bool, matrix: bool) -> str:
-    """The role of a prefill pass's matmul (a LAYER_MATMULS key): its short token tile (`short`), its
-    subgroup-matrix build (`matrix`)."""
-    return f"{matmul}_prefill{SHORT_SUFFIX * short}{MATRIX_SUFFIX * matrix}"
 
 
 # The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup
 # matrices are GPUs, which fold the norms).
-MATRIX_MATMULS = ("norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual")
+MATRIX_MATMULS = (Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL)
 
 
 def matrix_roles(roles: dict) -> dict[str, MatmulSpec]:
     """The subgroup-matrix builds of a llama_kernels dict's prefill matmuls, long and short tiles."""
-    return {role + MATRIX_SUFFIX: replace(roles[role], matrix=True)
-            for matmul in MATRIX_MATMULS for role in (f"{matmul}_prefill", f"{matmul}_prefill{SHORT_SUFFIX}")}
+    return {matmul_role(matmul, prefill=True, short=short, matrix=True):
+            replace(roles[matmul_role(matmul, prefill=True, short=short)], matrix=True)
+            for matmul in MATRIX_MATMULS for short in (False, True)}
 
 
 @lru_cache(maxsize=64)  # asked a few times every decode step (LlamaModel.o_merges): the answer never changes

@@ -10,8 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
-from contract.kernels import (INT8_X_MATMULS, INT8_X_SUFFIX, MATRIX_MATMULS, MATRIX_SUFFIX, SHORT_SUFFIX,
-                              SPLIT_WORKSPACE, prefill_matmul_role)
+from contract.kernels import INT8_X_MATMULS, MATRIX_MATMULS, SPLIT_WORKSPACE, Matmul, Role, matmul_role
 from contract.model import head_tensor
 from model_glue.attention import attention_call, attention_dispatches
 from model_glue.kernel import DispatchPlan
@@ -26,21 +25,20 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     (`o_merges`: the shape has it) the o-projection that merges a split attention call,
     (`int8_x`, with folded norms) the decode matmuls' quantizers, the prefill matmuls' short tiles
     and (`prefill_matrix`, with folded norms) their subgroup-matrix builds. Only these are compiled."""
-    matmuls = ["norm_qkv", "o_residual", "norm_gate_up_swiglu", "down_residual"] if fold_norms else \
-        ["qkv", "o_residual", "gate_up", "down_residual"]
-    apart = [] if fold_norms else ["rms_norm", "swiglu"]
-    fused = ["norm_qkv_rope_append_decode"] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
-    fused += ["o_residual_merge_decode"] if o_merges else []
+    matmuls = [Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL] if fold_norms \
+        else [Matmul.QKV, Matmul.O_RESIDUAL, Matmul.GATE_UP, Matmul.DOWN_RESIDUAL]
+    apart = [] if fold_norms else [Role.RMS_NORM, Role.SWIGLU]
+    fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
+    fused += [matmul_role(Matmul.O_RESIDUAL_MERGE)] if o_merges else []
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
-        fused += [role + INT8_X_SUFFIX for role in INT8_X_MATMULS]
-        fused += sorted(set(INT8_X_MATMULS.values())) + ["quantize_merge_decode"]
-    prefill = [f"{m}_prefill{SHORT_SUFFIX}" for m in matmuls]
+        fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
+        fused += sorted(set(INT8_X_MATMULS.values())) + [Role.QUANTIZE_MERGE]
+    prefill = [matmul_role(m, prefill=True, short=short) for short in (False, True) for m in matmuls]
     if prefill_matrix and fold_norms:
-        prefill += [f"{m}_prefill{short}{MATRIX_SUFFIX}" for m in MATRIX_MATMULS for short in ("", SHORT_SUFFIX)]
-    return ["embed", "rope_append", *(f"{m}_{phase}" for phase in ("decode", "prefill") for m in matmuls), *prefill,
-            *fused,
-            *apart,
-            "norm_lm_head" if fold_norms else "lm_head", "argmax" if greedy else "sample"]
+        prefill += [matmul_role(m, prefill=True, short=short, matrix=True) for m in MATRIX_MATMULS
+                    for short in (False, True)]
+    return [Role.EMBED, Role.ROPE_APPEND, *(matmul_role(m) for m in matmuls), *prefill, *fused, *apart,
+            Role.NORM_LM_HEAD if fold_norms else Role.LM_HEAD, Role.ARGMAX if greedy else Role.SAMPLE]
 
 
 class PassEncoder:
@@ -150,10 +148,10 @@ def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) ->
     buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
     pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, plan), buffers, values)]
     if plan.o_merges:
-        pairs.append((m.kernels["o_residual_merge_decode"], role_values(m, "o_residual_merge_decode",
-                                                                        **o_merge_values(choice))))
+        merging = matmul_role(Matmul.O_RESIDUAL_MERGE)
+        pairs.append((m.kernels[merging], role_values(m, merging, **o_merge_values(choice))))
     if plan.quantizer_merges:
-        pairs.append((m.kernels["quantize_merge_decode"], role_values(m, "quantize_merge_decode",
+        pairs.append((m.kernels[Role.QUANTIZE_MERGE], role_values(m, Role.QUANTIZE_MERGE,
                                                                       num_splits=choice.num_splits)))
     if sampling is not None and not sampling.greedy:
         pairs.append((m.kernels["sample"], role_values(m, "sample", **sampling.kernel_values(draw))))
@@ -180,7 +178,7 @@ def _codes(m, prefix: str = "") -> dict:
     return {"xq": m.buffers[f"{prefix}xq"], "xstats": m.buffers[f"{prefix}xstats"]}
 
 
-def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: str, weight: str, x, y, *, norm=None, resid=None,
+def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x, y, *, norm=None, resid=None,
             rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
     """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
     `x` is a buffer, a dict of the buffers x is made from (the merging o-projection's partial
@@ -189,13 +187,11 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: str, weight: str, x, y,
     (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
     given as codes, its quantizer runs first, with the norm's weight."""
     w, n = m.weights, plan.n
-    role = f"{matmul}_decode" if n == 1 else prefill_matmul_role(matmul, plan.short_tile, plan.matrix_matmuls)
-    int8_x = plan.int8_x and role in INT8_X_MATMULS
+    int8_x = plan.int8_x and matmul in INT8_X_MATMULS
+    role = matmul_role(matmul, prefill=n > 1, short=plan.short_tile, matrix=plan.matrix_matmuls, int8_x=int8_x)
     given_codes = isinstance(x, dict) and "xq" in x
     if int8_x and not given_codes:
-        _quantize_x(m, enc, INT8_X_MATMULS[role], x, norm)
-    if int8_x:
-        role += INT8_X_SUFFIX
+        _quantize_x(m, enc, INT8_X_MATMULS[matmul], x, norm)
     if given_codes or (isinstance(x, dict) and not int8_x):
         buffers = dict(x)  # codes written before, or the partial states the merging o-projection reads
     elif int8_x:
@@ -213,26 +209,30 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: str, weight: str, x, y,
     enc.run(m.kernels[role], buffers, role_values(m, role, **{"n": n, **(values or {})}), per_step=per_step)
 
 
-def _normed_matmul(m, enc, plan: PassPlan, matmul: str, weight: str, x, y, norm: str) -> None:
-    """norm(x) @ W^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
+def _rms_norm(m, enc, n: int, x, norm: str):
+    """norm(x) into the `normed` scratch buffer, a dispatch of its own (CPU rasterizers); returns it."""
+    normed = m.buffers["normed"]
+    enc.run(m.kernels[Role.RMS_NORM], {"x": x, "weight": m.weights[norm], "out": normed}, role_values(m, Role.RMS_NORM, n=n))
+    return normed
+
+
+def _qkv(m, enc, plan: PassPlan, weight: str, x, y, norm: str) -> None:
+    """qkv = norm(x) @ Wqkv^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
     if plan.fold_norms:
-        _matmul(m, enc, plan, f"norm_{matmul}", weight, x, y, norm=norm)
+        _matmul(m, enc, plan, Matmul.NORM_QKV, weight, x, y, norm=norm)
     else:
-        normed = m.buffers["normed"]
-        enc.run(m.kernels["rms_norm"], {"x": x, "weight": m.weights[norm], "out": normed},
-                role_values(m, "rms_norm", n=plan.n))
-        _matmul(m, enc, plan, matmul, weight, normed, y)
+        _matmul(m, enc, plan, Matmul.QKV, weight, _rms_norm(m, enc, plan.n, x, norm), y)
 
 
 def _swiglu_ffn(m, enc, plan: PassPlan, weight: str, x, h, norm: str, h_codes: dict | None = None) -> None:
     """h = silu(norm(x) @ Wg^T) * (norm(x) @ Wu^T), folded into one matmul or in three kernels; with
     `h_codes`, the folded matmul also writes h's int8 codes there."""
     if plan.fold_norms:
-        _matmul(m, enc, plan, "norm_gate_up_swiglu", weight, x, h, norm=norm, y_codes=h_codes)
+        _matmul(m, enc, plan, Matmul.NORM_GATE_UP_SWIGLU, weight, x, h, norm=norm, y_codes=h_codes)
     else:
         gate_up = m.buffers["gate_up"]
-        _normed_matmul(m, enc, plan, "gate_up", weight, x, gate_up, norm)
-        enc.run(m.kernels["swiglu"], {"gate_up": gate_up, "h": h}, role_values(m, "swiglu", n=plan.n))
+        _matmul(m, enc, plan, Matmul.GATE_UP, weight, _rms_norm(m, enc, plan.n, x, norm), gate_up)
+        enc.run(m.kernels[Role.SWIGLU], {"gate_up": gate_up, "h": h}, role_values(m, Role.SWIGLU, n=plan.n))
 
 
 def encode_forward(m, enc: PassEncoder, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> None:
@@ -251,37 +251,37 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
         # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
-        enc.run(k["embed"], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
-                             "scale": w["embed.scale"], "out": x}, role_values(m, "embed", n=n))
+        enc.run(k[Role.EMBED], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
+                             "scale": w["embed.scale"], "out": x}, role_values(m, Role.EMBED, n=n))
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
         # runs in the o-projection or its quantizer where the plan says so
         rope_io = {"positions": buf["positions"], "slots": buf["slots"], "pages": m.kv.layers[layer], "q": buf["q"]}
         if n == 1 and plan.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
-            _matmul(m, enc, plan, "norm_qkv_rope_append", f"{p}.qkv", x, None, norm=f"{p}.attn_norm",
+            _matmul(m, enc, plan, Matmul.NORM_QKV_ROPE_APPEND, f"{p}.qkv", x, None, norm=f"{p}.attn_norm",
                     rope_io=rope_io, values={"num_pages": m.kv.num_pages})
         else:
-            _normed_matmul(m, enc, plan, "qkv", f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
-            enc.run(k["rope_append"], {"qkv": buf["qkv"], **rope_io},
-                    role_values(m, "rope_append", n=n, num_pages=m.kv.num_pages))
+            _qkv(m, enc, plan, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
+            enc.run(k[Role.ROPE_APPEND], {"qkv": buf["qkv"], **rope_io},
+                    role_values(m, Role.ROPE_APPEND, n=n, num_pages=m.kv.num_pages))
         attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
                 enc.run(kernel, kernel_buffers, values, per_step=True)
         if plan.o_merges:  # x of the o-projection is merged from the split call's partial states
-            _matmul(m, enc, plan, "o_residual_merge", f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
+            _matmul(m, enc, plan, Matmul.O_RESIDUAL_MERGE, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
         elif plan.quantizer_merges:  # ... by the o-projection's quantizer
-            _quantize_x(m, enc, "quantize_merge_decode", {name: buf[name] for name in SPLIT_WORKSPACE},
+            _quantize_x(m, enc, Role.QUANTIZE_MERGE, {name: buf[name] for name in SPLIT_WORKSPACE},
                         values={"num_splits": choice.num_splits}, per_step=True)
-            _matmul(m, enc, plan, "o_residual", f"{p}.o", _codes(m), x_mid, resid=x)
+            _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", _codes(m), x_mid, resid=x)
         else:
-            _matmul(m, enc, plan, "o_residual", f"{p}.o", buf["attn"], x_mid, resid=x)
+            _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", buf["attn"], x_mid, resid=x)
         # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
         down_codes = _codes(m, "ffn_") if plan.down_codes_from_gate_up else None
         _swiglu_ffn(m, enc, plan, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
-        _matmul(m, enc, plan, "down_residual", f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
+        _matmul(m, enc, plan, Matmul.DOWN_RESIDUAL, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
     # head: only the last token's logits are needed (a decode pass's x is that token already)
     last = x
     if n > 1:
@@ -292,13 +292,13 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
             "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
         if plan.fold_norms:
-            enc.run(k["norm_lm_head"], {"x": last, "norm": w["final_norm"], **head}, role_values(m, "norm_lm_head", n=1))
+            enc.run(k[Role.NORM_LM_HEAD], {"x": last, "norm": w["final_norm"], **head},
+                    role_values(m, Role.NORM_LM_HEAD, n=1))
         else:
-            enc.run(k["rms_norm"], {"x": last, "weight": w["final_norm"], "out": buf["normed"]},
-                    role_values(m, "rms_norm", n=1))
-            enc.run(k["lm_head"], {"x": buf["normed"], **head}, role_values(m, "lm_head", n=1))
+            enc.run(k[Role.LM_HEAD], {"x": _rms_norm(m, enc, 1, last, "final_norm"), **head},
+                    role_values(m, Role.LM_HEAD, n=1))
         if plan.greedy:
-            enc.run(k["argmax"], {"best": buf["head_best"], "out": buf["next_id"]}, role_values(m, "argmax"))
+            enc.run(k[Role.ARGMAX], {"best": buf["head_best"], "out": buf["next_id"]}, role_values(m, Role.ARGMAX))
         else:  # the draw changes every step
-            enc.run(k["sample"], {"logits": buf["logits"], "out": buf["next_id"]},
-                    role_values(m, "sample", **sampling.kernel_values(draw)), per_step=True)
+            enc.run(k[Role.SAMPLE], {"logits": buf["logits"], "out": buf["next_id"]},
+                    role_values(m, Role.SAMPLE, **sampling.kernel_values(draw)), per_step=True)

@@ -13,7 +13,8 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import SHORT_PREFILL_TOKENS, llama_kernels, matmul_int8_x, matmul_subgroup_lanes, prefill_matrix
+from contract.kernels import (SHORT_PREFILL_TOKENS, Matmul, llama_kernels, matmul_int8_x, matmul_role,
+                              matmul_subgroup_lanes, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, LlamaConfig, model_tensors,
                             synthetic_config_name)
 from model_glue.attention import AttentionKernels, resolve_attention_kernels
@@ -211,7 +212,7 @@ def _compiled_for(role: str, c: LlamaConfig) -> str:
         return f"head_dim {c.head_dim}{' with RoPE scaling' if c.rope_scaling else ''}"
     if role.startswith("down"):
         return f"ffn_dim {c.ffn_dim}"
-    if role == "norm_gate_up_swiglu_decode":  # compiles its rows in (MatmulSpec.compiled_rows)
+    if role == matmul_role(Matmul.NORM_GATE_UP_SWIGLU):  # compiles its rows in (MatmulSpec.compiled_rows)
         return f"dim {c.dim} with ffn_dim {c.ffn_dim}"
     if role.startswith("o_"):
         return f"attention width {c.n_heads * c.head_dim}"

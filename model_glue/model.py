@@ -17,7 +17,8 @@ from array import array
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import down_codes_from_gate_up, matmul_int8_x, matmul_subgroup_lanes, prefill_matrix
+from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, matmul_role, matmul_subgroup_lanes,
+                              prefill_matrix)
 from model_glue.attention import AttentionKernels
 from model_glue.errors import ModelError
 from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
@@ -112,7 +113,7 @@ class LlamaModel:
 
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
-        roles = forward_roles(fold_norms, greedy, o_merges="o_residual_merge_decode" in self.kernel_names,
+        roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names,
                               int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
@@ -191,7 +192,7 @@ class LlamaModel:
         attention = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
         int8_x = self.matmul_int8_x and n == 1 and run.fold_norms
         quantizer_merges = attention.split and int8_x
-        o_merges = (n == 1 and not quantizer_merges and "o_residual_merge_decode" in self.kernel_names
+        o_merges = (n == 1 and not quantizer_merges and matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names
                     and merges_in_o(self.config, self.dtype, attention, run.merge_in_o))
         matrix = n > 1 and self.runs_prefill_matrix()
         return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),

@@ -450,11 +450,3 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is still pending (an incomplete character becomes U+FFFD)."""
         return self._decoder.decode(b"", final=True)
-
-
-def format_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt SmolLM2-Instruct's chat template (in the GGUF) renders for `messages`: ChatML, with its
-    default system prompt when the first message is not a system one (model_glue.chat_template)."""
-    from model_glue.chat_template import SMOLLM2_TEMPLATE
-
-    return SMOLLM2_TEMPLATE.render(messages, add_generation_prompt)

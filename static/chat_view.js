@@ -79,14 +79,12 @@ export function send(app) {
   running = reply(app).finally(() => { running = null; });
 }
 
-// The box's text for a new turn (the page busy from here), or null when it is empty. A clock warm
-// still running (main.js warmClocks) stops first: streaming beside the reply would slow it.
+// The box's text for a new turn (the page busy from here), or null when it is empty.
 function beginTurn(app) {
   const text = $("prompt").value;
   if (!text.trim()) { chatError("The message is empty."); return null; }
   chatError("");
   setBusy(true);
-  if (state.warming) app.python.call("stopWarm", {});
   return text;
 }
 

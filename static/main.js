@@ -9,7 +9,7 @@ import { exportSteps } from "./export.js";
 import { keeper } from "./gguf_keeper.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
-import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT, WARM_GAP_SECONDS, WARM_SECONDS } from "./page_api.js";
+import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state } from "./ui.js";
 import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels, GGUF_CHUNK_BYTES } from "./weights_cache.js";
@@ -29,9 +29,6 @@ const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
 // The model's name in the header and the title, the status line and the exports: an artifact by its
 // name (artifactLabel), a synthetic model by its shape, a GGUF by its file name and shape (openGguf).
 const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
-// ?warm=on: bounded GPU work while the user types, to raise the clocks for the reply to come. Off by
-// default: on the H200 streaming work before a reply made its decode slower, not faster (docs/benchmarks.md).
-const WARM = params.get("warm") === "on";
 // ?hooks=python (the tests and benchmarks, whose servers serve them): test hooks the worker loads.
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 // ?keepChunk=BYTES: the chunk an opened GGUF is hashed and stored by in the background (keepGguf).
@@ -280,20 +277,6 @@ function readyText(info) {
     `kernels, context up to ${info.options.max_context} tokens, prefill on ${info.prefill_matmuls}`;
 }
 
-// With ?warm=on, while the user types (or fills in the long document), bounded GPU work is meant to
-// raise the clocks before the reply (chat/page.py warm_gpu). At most one warm at a time,
-// WARM_GAP_SECONDS apart; a reply stops it (chat_view.js beginTurn).
-function warmClocks(app) {
-  if (!WARM || state.busy || state.warming || !state.chatReady || state.lastWarm?.skipped) return;
-  if (performance.now() - (state.warmedAt || 0) < 1000 * (WARM_SECONDS + WARM_GAP_SECONDS)) return;
-  state.warming = true;
-  state.warmedAt = performance.now();
-  app.python.call("warmGpu", { seconds: WARM_SECONDS })
-    .then((result) => { state.warms = (state.warms || 0) + 1; state.lastWarm = JSON.parse(result); })
-    .catch(() => {})  // a lost device is reported by its own event
-    .finally(() => { state.warming = false; });
-}
-
 // What an exported JSON belongs to: the model loaded now (each reply names its own: export.js).
 function exportAbout() {
   const device = state.device;
@@ -346,8 +329,7 @@ async function boot() {
   $("compare").addEventListener("click", () => compare(app));
   $("new-chat").addEventListener("click", () => newChat(app));
   $("reload-model").addEventListener("click", () => reloadModel(app));
-  $("long-document").addEventListener("click", () => { fillLongDocument(); warmClocks(app); });
-  $("prompt").addEventListener("input", () => warmClocks(app));
+  $("long-document").addEventListener("click", fillLongDocument);
   $("export-csv").addEventListener("click", () => exportSteps("csv", exportAbout()));
   $("export-json").addEventListener("click", () => exportSteps("json", exportAbout()));
   $("open-gguf").hidden = false;

@@ -47,9 +47,9 @@ def test_missing_value_is_a_clear_error(loop, gpu, library):
 
 
 def test_the_clock_warmer_is_bounded_and_keeps_its_buffers(loop, gpu, library):
-    """model_glue.clock_warmer: a warm stops after its time (plus the batch in flight), dispatches the
+    """app.bench.clock_warmer: a warm stops after its time (plus the batch in flight), dispatches the
     stream kernel at least once, and a second warm reuses its buffers (no new GPU buffers)."""
-    from model_glue.clock_warmer import ClockWarmer
+    from app.bench.clock_warmer import ClockWarmer
 
     warmer = ClockWarmer(gpu, library, words=1 << 16)
     first = loop.run_until_complete(warmer.warm(0.05))
@@ -63,10 +63,10 @@ def test_the_clock_warmer_is_bounded_and_keeps_its_buffers(loop, gpu, library):
 
 
 def test_a_warm_stops_when_cancelled(loop, gpu, library):
-    """cancel() ends a running warm after its batch in flight (the page cancels as a reply starts)."""
+    """cancel() ends a running warm after its batch in flight (a benchmark stops it before it times)."""
     import asyncio
 
-    from model_glue.clock_warmer import ClockWarmer
+    from app.bench.clock_warmer import ClockWarmer
 
     warmer = ClockWarmer(gpu, library, words=1 << 16, max_batch=4)
 

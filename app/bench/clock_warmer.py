@@ -1,16 +1,12 @@
-"""Raising the GPU's clocks before work that must run at full speed.
+"""Raising the GPU's clocks before a benchmark times anything.
 
-Between chat turns a GPU idles at low clocks (an H200 at 345 MHz). `ClockWarmer.warm(seconds)` streams
-a buffer through the stream_read probe kernel for that long: the benchmarks run it before they time,
-and the page, with `?warm=on`, while the user types (static/main.js). In the page on the H200 it did
-not help a reply: after 1.5 s of typing with warms a 1B-shape model's first reply decoded at 259 tok/s
-(5.2 ms of GPU a step), without them at 486 tok/s (1.95 ms), and after 30 s idle 238 against 357
-tok/s (docs/benchmarks.md); so the page leaves it off by default.
+An idle GPU runs at low clocks. `ClockWarmer.warm(seconds)` streams a buffer through the stream_read
+probe kernel for that long, so that the timed calls after it run at full clocks. It is bounded: it
+stops after `seconds` of wall time or when `cancel()` is called, and waits for each batch it submits
+(batches double from one dispatch up to `max_batch`), so at most one batch is still queued after it.
 
-It is bounded: it stops after `seconds` of wall time or when `cancel()` is called (the page calls it as
-a reply starts: streaming work beside a reply slowed its decode from 442 to 259 tok/s on the H200), and
-waits for each batch it submits (batches double from one dispatch up to `max_batch`), so what can still
-be queued when a reply starts is one batch.
+(The page does not warm: streaming work before a reply made the reply slower on an H200,
+docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ STREAM_KERNEL = "stream_read"  # kernels.probe.stream_read_probe
 STREAM_GROUP_WORDS = 256 * 16  # f32 words one workgroup of the probe reads
 STREAM_WORDS = 24 * 1024 * 1024  # 96 MiB of f32: far beyond any cache, within default binding limits
 MAX_BATCH = 256  # dispatches per submit at most (a CPU adapter takes ~0.2 s per dispatch)
-PAGE_MAX_BATCH = 16  # the page's: a batch of 96 MiB reads is ~0.5 ms at full clocks, a few ms at idle ones
 
 
 class ClockWarmer:
