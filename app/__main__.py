@@ -42,10 +42,10 @@ def _convert_through_the_runtime(args) -> int:
     import asyncio
 
     from app.convert_gguf import convert_gguf_file
-    from model_glue.artifact import ArtifactError, KernelLibrary
+    from model_glue.gpu.artifact import ArtifactError, KernelLibrary
     from model_glue.errors import ModelError
-    from model_glue.webgpu import WebGPUUnavailable
-    from model_glue.webgpu_native import WgpuDevice
+    from model_glue.gpu.webgpu import WebGPUUnavailable
+    from model_glue.gpu.webgpu_native import WgpuDevice
 
     async def run():
         device = await WgpuDevice.open()

@@ -24,12 +24,12 @@ import numpy as np
 from contract.artifacts import GGUF_TOKENIZER_FILE
 from contract.model import model_tensors
 from convert.weights import sha256_file, write_artifact
-from model_glue.artifact import KernelLibrary
+from model_glue.gpu.artifact import KernelLibrary
 from model_glue.errors import ModelError
-from model_glue.gguf_file import GGUFError, file_reader, read_header
-from model_glue.gguf_model import context_length, tensor_plan
-from model_glue.gguf_tokenizer import tokenizer_from_gguf
-from model_glue.gguf_upload import upload_gguf_tensors
+from model_glue.formats.gguf_file import GGUFError, file_reader, read_header
+from model_glue.formats.gguf_model import context_length, tensor_plan
+from model_glue.formats.gguf_tokenizer import tokenizer_from_gguf
+from model_glue.formats.gguf_upload import upload_gguf_tensors
 from model_glue.loading import gguf_config, runnable_kernels
 
 TOKENIZER_PREFIX = "tokenizer."  # the metadata keys the artifact keeps beside its weights

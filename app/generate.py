@@ -7,13 +7,14 @@ import sys
 import time
 
 from chat.session import ChatSession
-from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
+from model_glue.sources import Artifact, GGUFFile, open_model
+from model_glue.gpu.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
-from model_glue.generate import Sampling
-from model_glue.gguf_file import file_reader
+from model_glue.model.generate import Sampling
+from model_glue.formats.gguf_file import file_reader
 from model_glue.options import RunOptions
-from model_glue.webgpu import DeviceLostError, WebGPUUnavailable
-from model_glue.webgpu_native import WgpuDevice
+from model_glue.gpu.webgpu import DeviceLostError, WebGPUUnavailable
+from model_glue.gpu.webgpu_native import WgpuDevice
 
 
 def format_stats_table(stats: list[dict]) -> str:
@@ -46,9 +47,10 @@ async def run_generate(args) -> int:
         progress = lambda m: print(f"[{m}]", file=sys.stderr)  # noqa: E731
         if args.gguf:
             read, size = file_reader(args.gguf)
-            chat = await ChatSession.load_gguf(device, library, read, size, dtype=dtype, progress=progress)
+            source = GGUFFile(read, size)
         else:
-            chat = await ChatSession.load(device, library, folder_readers(args.model), dtype=dtype, progress=progress)
+            source = Artifact(folder_readers(args.model))
+        chat = ChatSession(await open_model(device, library, source, dtype=dtype, progress=progress))
         print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}; "
               f"model ready in {time.perf_counter() - loading:.1f} s]", file=sys.stderr)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)

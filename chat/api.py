@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from chat.session import DEFAULT_MAX_NEW_TOKENS
 from contract.kernels import MAX_TOP_K
 from model_glue.policy import TILED_MAX_CONTEXT
-from model_glue.generate import STOPPED_IN_PREFILL
-from model_glue.step_stats import STEP_FIELDS
+from model_glue.model.generate import STOPPED_IN_PREFILL
+from model_glue.model.step_stats import STEP_FIELDS
 
 PAGE_API_FILE = "page_api.js"  # under static/
 

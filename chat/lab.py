@@ -24,7 +24,7 @@ from array import array
 from contract.attention import MAX_SPLITS, AttentionChoice
 from contract.kernels import PAGE_SIZE, SPLIT_WORKSPACE
 from contract.model import BENCH_SHAPES, DTYPE_BYTES, AttentionShape
-from model_glue.attention import attention_call, attention_dispatches, resolve_attention_kernels, split_workspace_bytes
+from model_glue.model.attention import attention_call, attention_dispatches, resolve_attention_kernels, split_workspace_bytes
 from model_glue.policy import choose_decode_attention
 
 LAB_CONTEXTS = (256, 1024, 3060, 8192)
@@ -112,7 +112,7 @@ class LabInputs:
 
 async def _kernels_of(session, shape: AttentionShape, dtype: str, context: int, nest: str) -> tuple[list, AttentionChoice]:
     """The kernels of one call of `nest` ("tiled", "sharded", or "auto": the host's own choice) as
-    this adapter runs it (model_glue.attention), and the choice they make (str: e.g. "subgroup S=4").
+    this adapter runs it (model_glue.model.attention), and the choice they make (str: e.g. "subgroup S=4").
     A LookupError or ValueError says why the nest does not run this shape here."""
     device, library = session.device, session.library
     kernels = resolve_attention_kernels(library, shape, dtype, device)

@@ -13,10 +13,10 @@ import json
 import random
 import struct
 
-from model_glue.artifact import KernelLibrary, http_readers
+from model_glue.gpu.artifact import KernelLibrary, http_readers
 from model_glue.errors import ModelError
-from model_glue.device import open_device
-from model_glue.webgpu import DeviceLostError
+from model_glue.gpu.device import open_device
+from model_glue.gpu.webgpu import DeviceLostError
 
 PROBE_ROWS = 8
 PROBE_WIDTH = 256
@@ -105,8 +105,7 @@ async def open_chat(session: Session, base_url: str, progress, options: str, wei
     checked it against: when the manifest gives the same one, the per-tensor hashes, which would
     check the same bytes a second time, are skipped.
     """
-    from chat.session import ChatSession
-    from model_glue.options import RunOptions
+    from model_glue.sources import Artifact
 
     read_text, read_bytes = http_readers(base_url)
     if weights is not None:
@@ -115,26 +114,21 @@ async def open_chat(session: Session, base_url: str, progress, options: str, wei
         async def read_bytes(name: str) -> bytes:  # noqa: F811 (the page's copy replaces the fetch)
             return fetched
 
-    return await ChatSession.load(session.device, session.library, (read_text, read_bytes),
-                                  options=RunOptions.from_json(options), progress=progress,
-                                  verified_sha256=weights_sha256)
+    return await _open_chat(session, Artifact((read_text, read_bytes), weights_sha256), options, progress)
 
 
 async def open_synthetic_chat(session: Session, shape: str, tokenizer_base: str, options: str, progress):
     """A synthetic model of `shape` (e.g. "llama-3.1-8b": `?model=synthetic:llama-3.1-8b`), its random
     weights filled on the GPU, behind the tokenizer served under tokenizer_base: nothing to download."""
-    from chat.session import ChatSession
-    from model_glue.options import RunOptions
+    from model_glue.sources import Synthetic
 
-    return await ChatSession.load_synthetic(session.device, session.library, shape, http_readers(tokenizer_base),
-                                            options=RunOptions.from_json(options), progress=progress)
+    return await _open_chat(session, Synthetic(shape, http_readers(tokenizer_base)), options, progress)
 
 
 async def open_gguf_chat(session: Session, file, options: str, progress):
     """A user's GGUF from the page's file picker or a drop: `file` is the browser's File, read range by
     range here in the worker (model_glue.loading.load_gguf_model repacks each tensor on the GPU)."""
-    from chat.session import ChatSession
-    from model_glue.options import RunOptions
+    from model_glue.sources import GGUFFile
 
     async def read(offset: int, nbytes: int) -> bytes:
         buffer = await file.slice(offset, offset + nbytes).arrayBuffer()
@@ -143,8 +137,16 @@ async def open_gguf_chat(session: Session, file, options: str, progress):
             raise ModelError(f"{file.name} is truncated: {nbytes:,} bytes at {offset:,} are past its end")
         return data
 
-    return await ChatSession.load_gguf(session.device, session.library, read, int(file.size),
-                                       options=RunOptions.from_json(options), progress=progress)
+    return await _open_chat(session, GGUFFile(read, int(file.size)), options, progress)
+
+
+async def _open_chat(session: Session, source, options: str, progress):
+    from chat.session import ChatSession
+    from model_glue.options import RunOptions
+    from model_glue.sources import open_model
+
+    return ChatSession(await open_model(session.device, session.library, source,
+                                        options=RunOptions.from_json(options), progress=progress))
 
 
 def chat_info(chat) -> str:
@@ -183,7 +185,7 @@ def _failure(err: Exception) -> str | None:
 def parse_request(request: str) -> dict:
     """The page's request JSON ({"max_new_tokens", "options": RunOptions fields, "sampling":
     {"temperature", "top_k", "top_p", "seed"}}) as ChatSession.reply's keyword arguments."""
-    from model_glue.generate import Sampling
+    from model_glue.model.generate import Sampling
     from model_glue.options import RunOptions
 
     try:
@@ -287,7 +289,7 @@ async def decode_encode_benchmark(chat, steps: int, replay: bool, context: int =
     token is arbitrary ids (attention's cost does not depend on them). The chat's KV cache is
     emptied (its next reply prefills the conversation again).
     """
-    from model_glue.generate import generate
+    from model_glue.model.generate import generate
     from model_glue.options import RunOptions
 
     model = chat.model

@@ -340,7 +340,7 @@ async def prefill_benchmark(model, tokens=(512, 1536, 3060, 8000), short_turns=(
     ms (summed over its passes, attention apart) and tokens per GPU second, and the wall time to its
     first token; then, after a 1,536-token first turn, a follow-up turn of each short length, its
     attention run by the causal prefill kernel and as a decode batch (RunOptions.short_prefill_decode_attention)."""
-    from model_glue.generate import generate
+    from model_glue.model.generate import generate
 
     options = None if matrix is None and attention_matrix is None else \
         replace(model.options, prefill_matrix=model.options.prefill_matrix if matrix is None else matrix,
@@ -386,7 +386,7 @@ async def matrix_agreement(chat, text: str, tokens: int = 64, attention: bool = 
     subgroup-matrix builds (`attention`: the prefill attention's too; the decode steps are the same
     kernels): identical ids, or the first divergence and how many of the scalar run's tokens the
     matrix run predicts when fed them."""
-    from model_glue.generate import generate
+    from model_glue.model.generate import generate
 
     model = chat.model
     if not model.has_prefill_matrix:

@@ -5,109 +5,37 @@ Runs unchanged in the page (Pyodide, through chat.page) and in the native CLI (`
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
 from array import array
 from dataclasses import replace
 
-from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from contract.attention import NESTS
-from model_glue.policy import TILED_MAX_CONTEXT
 from model_glue.errors import ModelError
-from model_glue.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
-from model_glue.chat_template import SMOLLM2_TEMPLATE, ChatTemplate, chat_template
-from model_glue.gguf_file import GGUFError, read_header
-from model_glue.gguf_tokenizer import tokenizer_from_gguf
-from model_glue.loading import load_gguf_model, load_model, load_synthetic_model
-from model_glue.model import LlamaModel
+from model_glue.formats.chat_template import ChatTemplate
+from model_glue.model.generate import GREEDY, STOPPED_IN_PREFILL, Generation, Sampling, generate
+from model_glue.model.llama import LlamaModel
 from model_glue.options import RunOptions
-from model_glue.tokenizer import BPETokenizer
+from model_glue.policy import TILED_MAX_CONTEXT
+from model_glue.sources import OpenedModel
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_MESSAGE_CHARS = 8000  # a longer message is refused before tokenizing
 
 
-async def _load_tokenizer(read_text, progress) -> BPETokenizer:
-    """The served tokenizer (tokenizer.json and tokenizer_config.json beside a model's manifest)."""
-    progress("loading the tokenizer")
-    try:
-        return BPETokenizer.from_json(await read_text(TOKENIZER_FILE), json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot load the tokenizer: {err}") from err
-
-
-async def _load_artifact_tokenizer(read_text, progress) -> tuple:
-    """(tokenizer, chat template) of a model artifact: a converted GGUF's own tokenizer metadata
-    (the manifest's "tokenizer" is GGUF_TOKENIZER_FILE), else HF's tokenizer.json (the served SmolLM2,
-    ChatML)."""
-    try:
-        manifest = json.loads(await read_text(MANIFEST))
-    except (OSError, ValueError):
-        manifest = {}  # load_model names what is wrong with it
-    if manifest.get("tokenizer") != GGUF_TOKENIZER_FILE:
-        return await _load_tokenizer(read_text, progress), SMOLLM2_TEMPLATE
-    progress("loading the tokenizer")
-    try:
-        metadata = json.loads(await read_text(GGUF_TOKENIZER_FILE))
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot load the tokenizer: {err}") from err
-    template = chat_template(metadata.get("tokenizer.chat_template"))
-    if template.note:
-        progress(template.note)
-    return tokenizer_from_gguf(metadata), template
-
-
 class ChatSession:
-    def __init__(self, model: LlamaModel, tokenizer, template: ChatTemplate = SMOLLM2_TEMPLATE):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.template = template
+    """A conversation over an opened model (model_glue.sources.open_model): its messages, replies
+    streamed as text, stop, comparison mode."""
+
+    def __init__(self, opened: OpenedModel):
+        self.model: LlamaModel = opened.model
+        self.tokenizer = opened.tokenizer
+        self.template: ChatTemplate = opened.template
         # a GGUF's tokenizer knows its template's end-of-turn markers; the served SmolLM2's stops at <|im_end|>
-        self.stop_ids = getattr(tokenizer, "turn_end_ids", None) or tokenizer.stop_ids
+        self.stop_ids = getattr(self.tokenizer, "turn_end_ids", None) or self.tokenizer.stop_ids
         self.messages: list[dict] = []
         self._stop_requested = False
-
-    @classmethod
-    async def load_gguf(cls, device, library, read, file_size: int, *, options: RunOptions = RunOptions(),
-                        dtype=None, progress=lambda m: None):
-        """A user's llama GGUF through `read(offset, nbytes)`: its own tokenizer and chat template, its
-        tensors repacked on the GPU (model_glue.loading.load_gguf_model). The tokenizer is built first,
-        so a file this runtime cannot talk to is refused before any upload."""
-        progress("reading the GGUF header")
-        try:
-            header = await read_header(read, file_size)
-        except GGUFError as err:
-            raise ModelError(str(err)) from err
-        tokenizer = tokenizer_from_gguf(header.metadata)
-        template = chat_template(header.get("tokenizer.chat_template"))
-        if template.note:
-            progress(template.note)
-        model = await load_gguf_model(device, library, read, file_size, options=options, dtype=dtype,
-                                      progress=progress, header=header)
-        return cls(model, tokenizer, template)
-
-    @classmethod
-    async def load(cls, device, library, model_readers, *, options: RunOptions = RunOptions(), dtype=None,
-                   progress=lambda m: None, verified_sha256=None):
-        read_text, read_bytes = model_readers
-        tokenizer, template = await _load_artifact_tokenizer(read_text, progress)
-        model = await load_model(device, library, read_text, read_bytes, options=options, dtype=dtype,
-                                 progress=progress, verified_sha256=verified_sha256)
-        return cls(model, tokenizer, template)
-
-    @classmethod
-    async def load_synthetic(cls, device, library, shape: str, tokenizer_readers, *, options: RunOptions = RunOptions(),
-                             progress=lambda m: None):
-        """A synthetic model of a contract shape (model_glue.loading.load_synthetic_model: random weights
-        filled on the GPU) behind the served model's tokenizer: its text is noise, its speed the shape's.
-        Ids past the tokenizer's vocabulary decode as "<id N>"."""
-        read_text, _ = tokenizer_readers
-        tokenizer = await _load_tokenizer(read_text, progress)
-        tokenizer.show_unknown_ids = True
-        model = await load_synthetic_model(device, library, shape, options=options, progress=progress)
-        return cls(model, tokenizer)
 
     def request_stop(self) -> None:
         """Ask a running reply to stop after the current token or prefill chunk.

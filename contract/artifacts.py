@@ -14,7 +14,7 @@ WEIGHTS_FILE = "weights.bin"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # A GGUF converted through the runtime (`python -m app convert --gguf FILE`): its tokenizer.* metadata as
-# JSON, which model_glue.gguf_tokenizer reads as it reads the file's; the manifest's "tokenizer" names
+# JSON, which model_glue.formats.gguf_tokenizer reads as it reads the file's; the manifest's "tokenizer" names
 # it. Without that field an artifact has HF's tokenizer.json (the served SmolLM2).
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"
 
@@ -40,11 +40,11 @@ class KernelSpec:
       (4 bytes each, types i32/u32/f32, in order) followed by `packGridDimX: u32`.
     - `workgroup_size`: [x, y, z]; `grid`: [x, y] workgroups (z = 1), each an expression tree
       over the kernel's scalars and shape variables: an int, a name, or [op, lhs, rhs] with op in
-      + - * // % >> << min max (model_glue.kernel.evaluate).
+      + - * // % >> << min max (model_glue.gpu.kernel.evaluate).
     - `workgroup_storage_bytes` and `barriers`: counted in the WGSL; the runtime checks limits.
     - `features`: the WebGPU features its WGSL enables (`shader-f16`, `subgroups`).
     - `meta`: what the kernel is for (kind, role, shape, dtype...); `defect`, when present, says
-      why the host must not run it (see model_glue.attention.tiled_defect).
+      why the host must not run it (see model_glue.model.attention.tiled_defect).
     """
 
     name: str

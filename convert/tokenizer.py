@@ -3,7 +3,7 @@
 The GGUF is the single source of truth for the model, so the tokenizer the browser loads is derived
 from it rather than downloaded separately. Building it through the `tokenizers` library (instead of
 writing the JSON by hand) gives the tests a reference implementation to compare the pure-Python
-run-time tokenizer (`model_glue.tokenizer`) against.
+run-time tokenizer (`model_glue.formats.tokenizer`) against.
 
 This module imports `gguf` and `tokenizers`; it is build-time only and never loaded in Pyodide.
 """

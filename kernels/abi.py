@@ -34,7 +34,7 @@ _CALL_OPS = {"tirx.shift_right": ">>", "tirx.shift_left": "<<"}
 
 
 def expr_to_json(expr):
-    """A launch-extent expression as a JSON tree the runtime can evaluate (see model_glue.kernel)."""
+    """A launch-extent expression as a JSON tree the runtime can evaluate (see model_glue.gpu.kernel)."""
     if isinstance(expr, tirx.IntImm):
         return int(expr.value)
     if isinstance(expr, tirx.Var):

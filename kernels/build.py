@@ -138,7 +138,7 @@ def _build_recipe(recipe):
 
         group = meta["num_qo_heads"] // meta["num_kv_heads"]
         computed = tiled_query_heads_computed(built.spec, meta["num_kv_heads"])
-        if computed < group:  # the runtime refuses to run it (model_glue.attention.tiled_defect)
+        if computed < group:  # the runtime refuses to run it (model_glue.model.attention.tiled_defect)
             meta["defect"] = (f"TVM's tiled kernel computes only {computed} of the {group} query heads "
                               "of each KV head; the others are never written")
     return built

@@ -94,7 +94,7 @@ def fill_recipes() -> list[KernelRecipe]:
 
 def repack_recipes() -> list[KernelRecipe]:
     """The GPU repack of every GGUF tensor type the runtime reads into each weight format
-    (model_glue.gguf_upload); sizes are runtime values, so these serve every shape."""
+    (model_glue.formats.gguf_upload); sizes are runtime values, so these serve every shape."""
     return [KernelRecipe(repack_kernel_name(source, target), "gguf_repack", (source, target),
                          {"kind": "gguf_repack", "source": source, "target": target}, REPACK_BUFFERS[target])
             for source in GGML_TYPES for target in REPACK_TARGETS]

@@ -14,7 +14,7 @@ Thread layout, INVOCATIONS (256 by default) per workgroup, in one dimension (thr
     group = tid / ROW_LANES    in [0, ROW_GROUPS), ROW_GROUPS = INVOCATIONS / ROW_LANES
 
 ROW_LANES consecutive invocations must sit in one subgroup (the host checks the adapter's
-subgroup size, model_glue.attention; invocations fill subgroups in index order). The q.k dot of a
+subgroup size, model_glue.model.attention; invocations fill subgroups in index order). The q.k dot of a
 row is reduced across its lanes with `subgroupShuffleDown` and handed back to every lane with
 `subgroupShuffleUp`: relative shuffles, right for any subgroup size that is a multiple of
 ROW_LANES. A build for an exact subgroup size (`subgroup_size`) instead runs butterflies over the

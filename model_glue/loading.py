@@ -1,8 +1,9 @@
-"""Loading a converted model: the manifest and its checks, the weights (sha256, upload), the kernels.
+"""A model's weights onto the GPU, for each source (model_glue.sources.open_model calls them).
 
-Three ways in, one for each source: `load_model` (a converted artifact), `load_gguf_model` (a user's
-GGUF) and `load_synthetic_model` (a shape with random weights). Each refuses what the adapter cannot
-run before it reads the weights, then hands a ready `LlamaModel` back.
+`load_model` (a converted artifact: the manifest and its checks, each tensor's sha256),
+`load_gguf_model` (a user's GGUF, repacked on the GPU) and `load_synthetic_model` (a shape with
+random weights) each refuse what the adapter cannot run before they read the weights, then hand a
+ready `LlamaModel` back.
 """
 
 from __future__ import annotations
@@ -17,35 +18,37 @@ from contract.kernels import (SHORT_PREFILL_TOKENS, Matmul, llama_kernels, matmu
                               matmul_subgroup_lanes, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, LlamaConfig, model_tensors,
                             synthetic_config_name)
-from model_glue.attention import AttentionKernels, resolve_attention_kernels
+from model_glue.model.attention import AttentionKernels, resolve_attention_kernels
 from model_glue.errors import ModelError
-from model_glue.kernel import unmet_limits
-from model_glue.kv_cache import PagedKVCache
-from model_glue.model import LlamaModel
+from model_glue.gpu.kernel import unmet_limits
+from model_glue.model.kv_cache import PagedKVCache
+from model_glue.model.llama import LlamaModel
 from model_glue.options import RunOptions
 from model_glue.policy import (TILED_MAX_CONTEXT, layout_rank, pick_matmul_int8_x, pick_matmul_subgroup_lanes,
                                pick_prefill_matrix, why_no_prefill_matrix)
-from model_glue.scratch import scratch_sizes
-from model_glue.gguf_file import GGUFError, read_header
-from model_glue.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan, with_rope_scaling,
+from model_glue.model.scratch import scratch_sizes
+from model_glue.formats.gguf_file import GGUFError, read_header
+from model_glue.formats.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan, with_rope_scaling,
                                    context_length as gguf_context_length)
-from model_glue.gguf_upload import upload_gguf_tensors
+from model_glue.formats.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
-from model_glue.webgpu import BUFFER_LIMITS, AdapterLimitError
+from model_glue.gpu.webgpu import BUFFER_LIMITS, AdapterLimitError
 
 
-async def load_model(device, library, read_text, read_bytes, *, options: RunOptions = RunOptions(),
-                     dtype: str | None = None, progress=lambda message: None,
+async def load_model(device, library, read_text, read_bytes, *, manifest: dict | None = None,
+                     options: RunOptions = RunOptions(), dtype: str | None = None, progress=lambda message: None,
                      verified_sha256: str | None = None) -> LlamaModel:
-    """Load a converted artifact (manifest.json + weights.bin) through async readers.
+    """Load a converted artifact (manifest.json + weights.bin) through async readers; `manifest`:
+    the parsed manifest, where the caller has read it already.
 
     Each tensor's sha256 is checked, unless `verified_sha256` (the whole file's hash, which the
     caller already checked the bytes against) equals the manifest's `weights_sha256`.
     """
-    try:
-        manifest = json.loads(await read_text(MANIFEST))
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot read the model manifest: {err}") from err
+    if manifest is None:
+        try:
+            manifest = json.loads(await read_text(MANIFEST))
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot read the model manifest: {err}") from err
     if manifest.get("format") != MODEL_ARTIFACT_FORMAT or manifest.get("kind") != MODEL_ARTIFACT_KIND:
         raise ModelError(f"unsupported model artifact {manifest.get('kind')!r} v{manifest.get('format')} "
                          f"(this runtime reads {MODEL_ARTIFACT_KIND!r} v{MODEL_ARTIFACT_FORMAT}): re-convert it "
@@ -98,8 +101,8 @@ async def load_synthetic_model(device, library, name: str, *, options: RunOption
 async def load_gguf_model(device, library, read, file_size: int, *, options: RunOptions = RunOptions(),
                           dtype: str | None = None, progress=lambda message: None, header=None) -> LlamaModel:
     """A llama GGUF straight from the file, through `read(offset, nbytes) -> bytes` (a native file or
-    the page's File): the header is parsed (model_glue.gguf_file), the shape matched to kernels and
-    every tensor checked (model_glue.gguf_model) before any upload, then each tensor's raw blocks are
+    the page's File): the header is parsed (model_glue.formats.gguf_file), the shape matched to kernels and
+    every tensor checked (model_glue.formats.gguf_model) before any upload, then each tensor's raw blocks are
     uploaded and repacked to the runtime's Q4/Q8 on the GPU (kernels.gguf_repack). `header`: the
     file's, where the caller has read it already."""
     try:
@@ -179,7 +182,7 @@ async def warm_up(model: LlamaModel) -> None:
     the first context past it that times attention (RunOptions.time_attention_every): so both nests
     run as a step that times attention per layer and as a step that is one pass, as replies do. A
     short prompt goes first: passes of up to SHORT_PREFILL_TOKENS run their own matmul builds."""
-    from model_glue.generate import generate
+    from model_glue.model.generate import generate
 
     every = max(model.run.time_attention_every, 1)
     tokens = min(TILED_MAX_CONTEXT - 3, model.kv.capacity - every - 4)  # leaves room for the decode steps
@@ -262,7 +265,7 @@ def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
 
 def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> AttentionKernels:
     """The artifact's attention kernels for the model's shape that run on this device
-    (model_glue.attention.resolve_attention_kernels); the prefill kernel and at least one layout
+    (model_glue.model.attention.resolve_attention_kernels); the prefill kernel and at least one layout
     this device's rule may pick must be among them."""
     try:
         attention = resolve_attention_kernels(library, config.attention_shape, dtype, device)

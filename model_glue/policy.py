@@ -18,7 +18,7 @@ from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_CONFIG, MATRIX_FRAGM
                               SHORT_PREFILL_TOKENS, llama_kernels, matrix_roles, o_merges_splits)
 from contract.model import AttentionShape, LlamaConfig
 from model_glue.errors import ModelError
-from model_glue.webgpu import SUBGROUP_MATRIX
+from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 
 # -- the options' defaults: a GPU or a CPU rasterizer ---------------------------------------------------
 # Prompt tokens per prefill pass: a GPU's prefill tiles fill its SMs only from a few thousand tokens on;
@@ -145,7 +145,7 @@ def pick_decode_nest(context_lens: list[int], override: str = "auto", tiled_defe
     sharded nest is correct for short sequences too, just not the fastest for them.
     `override` forces a nest ('tiled' / 'sharded') for comparisons.
 
-    Where TVM's tiled kernel gives wrong output for the shape (`tiled_defect`: model_glue.attention),
+    Where TVM's tiled kernel gives wrong output for the shape (`tiled_defect`: model_glue.model.attention),
     it never runs: `auto` always picks sharded and forcing tiled is an error.
     """
     if override not in NEST_CHOICES:
@@ -242,7 +242,7 @@ def pick_layout(context_lens: list[int], shape: AttentionShape, *, available: Co
 def choose_decode_attention(context_lens: list[int], kernels, *, is_cpu: bool, attention: str = "auto",
                             forced: LayoutChoice | None = None, max_rows: int = MAX_SPLITS) -> AttentionChoice:
     """One decode step's attention over the artifact's kernels for the shape
-    (model_glue.attention.AttentionKernels): the nest (`attention`: "auto", or forced "tiled" /
+    (model_glue.model.attention.AttentionKernels): the nest (`attention`: "auto", or forced "tiled" /
     "sharded"), then for the sharded nest its layout and S on this device."""
     nest = pick_decode_nest(context_lens, attention, kernels.tiled_defect)
     if nest == "tiled":

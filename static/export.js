@@ -3,7 +3,7 @@
 import { STEP_FIELDS } from "./page_api.js";
 import { $, state } from "./ui.js";
 
-// The model's name and the reply's label, then StepStats' fields (model_glue/step_stats.py, through chat/api.py).
+// The model's name and the reply's label, then StepStats' fields (model_glue/model/step_stats.py, through chat/api.py).
 export const STEP_COLUMNS = ["model", "reply", ...STEP_FIELDS];
 
 function csvField(value) {

@@ -1,4 +1,4 @@
-// Replays a decode step's recorded compute passes (model_glue.webgpu_browser.BrowserRecordedPasses) in one
+// Replays a decode step's recorded compute passes (model_glue.gpu.webgpu_browser.BrowserRecordedPasses) in one
 // call from Python. Encoding ~180 dispatches through Pyodide's proxies costs three FFI crossings
 // each; here the pipelines, bind groups and pass descriptors stay on the JS side.
 //

@@ -58,14 +58,14 @@ def artifact_dir() -> Path:
 def gpu(loop):
     """wgpu-py on this machine's Vulkan adapter (Mesa lavapipe on CI)."""
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    from model_glue.webgpu_native import WgpuDevice
+    from model_glue.gpu.webgpu_native import WgpuDevice
 
     return loop.run_until_complete(WgpuDevice.open())
 
 
 @pytest.fixture(scope="session")
 def library(loop, gpu, artifact_dir):
-    from model_glue.artifact import KernelLibrary
+    from model_glue.gpu.artifact import KernelLibrary
 
     return loop.run_until_complete(KernelLibrary.from_folder(gpu, artifact_dir))
 
@@ -83,7 +83,7 @@ def test_artifact_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def test_library(loop, gpu, test_artifact_dir):
-    from model_glue.artifact import KernelLibrary
+    from model_glue.gpu.artifact import KernelLibrary
 
     return loop.run_until_complete(KernelLibrary.from_folder(gpu, test_artifact_dir))
 

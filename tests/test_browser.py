@@ -16,7 +16,7 @@ from page_hooks import install_page_hooks
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
 from kernels.decode_attention_subgroup import distinct_builds
-from model_glue.attention import attention_call
+from model_glue.model.attention import attention_call
 from model_glue.policy import pick_subgroup_build
 from contract.attention import subgroup_tag
 from contract.kernels import ATTENTION_OUTPUTS, attention_kernel_name

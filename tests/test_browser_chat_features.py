@@ -454,7 +454,7 @@ def test_the_overlay_shows_what_ran_last_and_covers_nothing(tab):
 # browser's event loop) over a generation of `tokens`, the passes replayed in JS.
 EVENT_LOOP_TRIPS = """
 import asyncio
-from model_glue.generate import generate
+from model_glue.model.generate import generate
 model = chat.model
 loop_type = type(asyncio.get_event_loop())
 counted = loop_type.call_later

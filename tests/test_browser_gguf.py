@@ -120,7 +120,8 @@ def test_a_converted_gguf_opens_as_an_artifact(browser, loop, gpu, library, tmp_
     from app.convert_gguf import convert_gguf_file
     from app.server import make_server
     from chat.session import ChatSession
-    from model_glue.artifact import folder_readers
+    from model_glue.sources import Artifact, open_model
+    from model_glue.gpu.artifact import folder_readers
     from model_glue.options import RunOptions
 
     gguf = tmp_path / "tiny-chat-q4_0.gguf"
@@ -137,8 +138,9 @@ def test_a_converted_gguf_opens_as_an_artifact(browser, loop, gpu, library, tmp_
     converted = root / "artifacts" / "converted"
     loop.run_until_complete(convert_gguf_file(gpu, library, gguf, converted, log=lambda message: None))
 
-    native = loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(converted), dtype="float32",
-                                                      options=RunOptions(max_context=512, warm_up=False)))
+    native = ChatSession(loop.run_until_complete(open_model(gpu, library, Artifact(folder_readers(converted)),
+                                                            dtype="float32",
+                                                            options=RunOptions(max_context=512, warm_up=False))))
     try:
         want = native.prompt_ids([{"role": "user", "content": "hello there"}])
     finally:

@@ -9,11 +9,12 @@ import pytest
 from conftest import STATIC
 
 from chat.session import NEAR_TIE_LOGITS, ChatSession, is_near_tie, pick_figures
+from model_glue.sources import Artifact, open_model
 from convert.weights import load_artifact_weights, write_random_artifact
-from model_glue.artifact import folder_readers
+from model_glue.gpu.artifact import folder_readers
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
-from model_glue.generate import generate
+from model_glue.model.generate import generate
 from model_glue.loading import load_model
 from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
@@ -100,8 +101,9 @@ def test_rolling_back_across_a_page_boundary_rewrites_the_right_slots(loop, tiny
 # -- the chat session (SmolLM2's tokenizer and chat template, tiny random weights) ------------
 @pytest.fixture(scope="module")
 def tiny_chat(loop, gpu, library):
-    return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(STATIC / "artifacts" / "tiny_chat"),
-                                                    dtype=DTYPE, options=RunOptions(max_context=512)))
+    source = Artifact(folder_readers(STATIC / "artifacts" / "tiny_chat"))
+    return ChatSession(loop.run_until_complete(open_model(gpu, library, source, dtype=DTYPE,
+                                                          options=RunOptions(max_context=512))))
 
 
 def test_chat_turns_reuse_the_conversation_and_new_chat_resets_it(loop, tiny_chat):

@@ -23,7 +23,7 @@ from kernels.catalog import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_
                              grid_shape, subgroup_builds_for_tests)
 from kernels.decode_attention_sharded import layout_builds as shards_builds
 from kernels.paged_kv import MASKED_SCORE
-from model_glue.attention import context_length, split_workspace_bytes, tiled_defect
+from model_glue.model.attention import context_length, split_workspace_bytes, tiled_defect
 from model_glue.policy import LAYOUT_RULES, TILED_MAX_CONTEXT, pick_decode_nest, pick_layout, pick_subgroup_build
 from contract.attention import LAYOUT_NAMES, MAX_SPLITS, AttentionChoice, LayoutChoice, subgroup_tag
 from contract.kernels import AttentionSpec, attention_kernel_name

@@ -13,12 +13,13 @@ import statistics
 import pytest
 
 from chat.session import ChatSession
-from model_glue.artifact import ArtifactError, KernelLibrary, folder_readers
+from model_glue.sources import Artifact, open_model
+from model_glue.gpu.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
-from model_glue.generate import STOPPED_IN_PREFILL, generate
+from model_glue.model.generate import STOPPED_IN_PREFILL, generate
 from model_glue.options import RunOptions
-from model_glue.webgpu import AdapterLimitError, DeviceLostError
-from model_glue.webgpu_native import WgpuDevice
+from model_glue.gpu.webgpu import AdapterLimitError, DeviceLostError
+from model_glue.gpu.webgpu_native import WgpuDevice
 
 TINY_CHAT = __import__("conftest").STATIC / "artifacts" / "tiny_chat"
 
@@ -28,8 +29,8 @@ def open_device(loop, **caps):
 
 
 def load_chat(loop, device, library, folder=TINY_CHAT, max_context=1024):
-    return loop.run_until_complete(ChatSession.load(device, library, folder_readers(folder), dtype="float32",
-                                                    options=RunOptions(max_context=max_context)))
+    return ChatSession(loop.run_until_complete(open_model(device, library, Artifact(folder_readers(folder)),
+                                                          dtype="float32", options=RunOptions(max_context=max_context))))
 
 
 # -- an adapter below what the artifact needs ------------------------------------------------------

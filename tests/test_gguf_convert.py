@@ -7,17 +7,17 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from app.bench.gguf_files import write_llama_gguf
 from app.convert_gguf import convert_gguf_file
 from chat.session import ChatSession
+from model_glue.sources import Artifact, GGUFFile, open_model
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST
 from contract.model import ALL_MODEL_CONFIGS, model_tensors
-from model_glue.artifact import folder_readers
+from model_glue.gpu.artifact import folder_readers
 from model_glue.errors import ModelError
-from model_glue.gguf_file import file_reader
+from model_glue.formats.gguf_file import file_reader
 from model_glue.options import RunOptions
 
 TINY = ALL_MODEL_CONFIGS["tiny_llama"]
@@ -37,11 +37,11 @@ def test_a_converted_gguf_is_the_model_the_file_opens_as(loop, gpu, test_library
     manifest = loop.run_until_complete(convert_gguf_file(gpu, test_library, path, out, log=lambda message: None))
     assert manifest["config_name"] == "tiny_llama" and manifest["tokenizer"] == GGUF_TOKENIZER_FILE
     assert json.loads((out / GGUF_TOKENIZER_FILE).read_text())["tokenizer.ggml.model"] == tokenizer
-    converted = loop.run_until_complete(ChatSession.load(gpu, test_library, folder_readers(out), dtype="float32",
-                                                         options=OPTIONS))
+    converted = ChatSession(loop.run_until_complete(open_model(gpu, test_library, Artifact(folder_readers(out)),
+                                                               dtype="float32", options=OPTIONS)))
     read, size = file_reader(path)
-    direct = loop.run_until_complete(ChatSession.load_gguf(gpu, test_library, read, size, dtype="float32",
-                                                           options=OPTIONS))
+    direct = ChatSession(loop.run_until_complete(open_model(gpu, test_library, GGUFFile(read, size), dtype="float32",
+                                                            options=OPTIONS)))
     try:
         assert converted.model.config == direct.model.config and converted.template == direct.template
         for spec in model_tensors(direct.model.config):  # the bytes the GPU holds, tensor by tensor

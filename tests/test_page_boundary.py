@@ -18,7 +18,7 @@ from app.served_tree import check_served_tree
 from chat.api import CALLS, GLOBAL_EVENTS, HOOKS_PATH, constants, page_api_js
 from model_glue.errors import ModelError
 from model_glue.options import RunOptions
-from model_glue.step_stats import STEP_FIELDS
+from model_glue.model.step_stats import STEP_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 STATIC = ROOT / "static"

@@ -9,7 +9,7 @@ import pytest
 from convert.weights import write_random_artifact
 from contract.model import TEST_MODEL_CONFIGS
 from model_glue.errors import ModelError
-from model_glue.generate import STOPPED_BY_USER, generate
+from model_glue.model.generate import STOPPED_BY_USER, generate
 from model_glue.options import MAX_PIPELINE_DEPTH, RunOptions
 from model_glue.policy import ATTENTION_TIMING_EVERY, GPU_PIPELINE_DEPTH
 from test_model import load

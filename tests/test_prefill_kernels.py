@@ -18,8 +18,8 @@ from convert.weights import dequant_q4, pack_q4
 from kernels.catalog import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION,
                              TEST_PREFILL_MATMULS, TEST_PREFILL_TILES, prefill_matmul_test_name,
                              test_matmul_spec as matmul_spec_of)
-from model_glue.kernel import Kernel, evaluate
-from model_glue.webgpu import SUBGROUP_MATRIX
+from model_glue.gpu.kernel import Kernel, evaluate
+from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from matrix_emulation import emulated
 from kernels.prefill_attention import prefill_layout
 from contract.attention import MATRIX_PREFILL

@@ -23,11 +23,11 @@ from kernels.build import build_wgsl_kernel
 from kernels.prefill_matmul_matrix import matrix_matmul
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
 from matrix_emulation import emulated
-from model_glue.artifact import KernelLibrary
-from model_glue.kernel import Kernel
+from model_glue.gpu.artifact import KernelLibrary
+from model_glue.gpu.kernel import Kernel
 from model_glue.errors import ModelError
 from model_glue.policy import pick_prefill_matrix, why_no_prefill_matrix
-from model_glue.webgpu import SUBGROUP_MATRIX
+from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from test_model import LOGIT_TOLERANCE, TINY_VOCAB, load, logits_of, rel_l2, tiny_dir, tiny_reference  # noqa: F401
 
 TINY = TEST_MODEL_CONFIGS["tiny_llama"]

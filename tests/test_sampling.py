@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from convert.weights import write_random_artifact
-from model_glue.artifact import folder_readers
+from model_glue.gpu.artifact import folder_readers
 from contract.kernels import MAX_TOP_K, llama_kernels
 from contract.model import MODEL_CONFIGS
 from model_glue.errors import ModelError
-from model_glue.generate import GREEDY, Sampling, generate
+from model_glue.model.generate import GREEDY, Sampling, generate
 from model_glue.loading import load_model
 
 VOCAB = MODEL_CONFIGS["tiny_chat"].vocab_size  # SmolLM2's vocabulary: the kernel's real size

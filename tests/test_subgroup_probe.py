@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from model_glue.webgpu_native import subgroup_probe_wgsl
+from model_glue.gpu.webgpu_native import subgroup_probe_wgsl
 
 
 def subgroup_kernel_invocations(library) -> set[int]:

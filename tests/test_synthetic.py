@@ -16,7 +16,7 @@ import pytest
 from contract.model import ALL_MODEL_CONFIGS, SYNTHETIC_CONFIGS, model_tensors, synthetic_config_name
 from convert.weights import dequant_q4, dequant_q8
 from model_glue.errors import ModelError
-from model_glue.generate import generate
+from model_glue.model.generate import generate
 from model_glue.loading import load_synthetic_model
 from model_glue.options import RunOptions
 from model_glue.synthetic import fill_dispatches

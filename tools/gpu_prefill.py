@@ -154,7 +154,7 @@ def diagnose_attention(tab, timeout: float) -> tuple[list[dict], tuple[str, str]
     the kernel's own code on plain WGSL, so a fault in its logic or races shows apart from one in how
     the builtins behave here), with one fragment chain emulated at a time, and the variants
     tools/diag/make_variants.py wrote for this kernel (tools/diag/<variant>__<kernel>.wgsl)."""
-    setup = ("import json, asyncio, chat.prefill_check as pc; from model_glue.kernel import Kernel\n"
+    setup = ("import json, asyncio, chat.prefill_check as pc; from model_glue.gpu.kernel import Kernel\n"
              "model = chat.model\n"
              "name = model.attention.prefill_matrix\n")
     info = in_page(tab, setup + "json.dumps({'name': name, 'wgsl': model.library.specs[name].wgsl})", 60)
@@ -198,7 +198,7 @@ def diagnose_attention(tab, timeout: float) -> tuple[list[dict], tuple[str, str]
 
 def install_attention(tab, wgsl: str, timeout: float) -> None:
     """The page's model runs `wgsl` as its matrix prefill attention (same ABI) from now on."""
-    in_page(tab, "import json, asyncio; from model_glue.kernel import Kernel\nmodel = chat.model\n"
+    in_page(tab, "import json, asyncio; from model_glue.gpu.kernel import Kernel\nmodel = chat.model\n"
             "name = model.attention.prefill_matrix\nspec = model.library.specs[name]\n"
             f"kernel = await Kernel.compile(model.device, spec, {json.dumps(wgsl)})\n"
             "done = asyncio.get_event_loop().create_future(); done.set_result(kernel)\n"

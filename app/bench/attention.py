@@ -5,7 +5,7 @@ and SmolLM2's D=64 with 3/9. Per (shape, context) it times TVM's tiled kernel an
 sharded-family kernel set the artifact holds for the shape (the served artifact's `shards`,
 `shards_group` and `subgroup`; a `--set sweep` build adds subgroup kernels of other row lanes and
 unrolls), each over the whole context (S = 1, one dispatch) and split into each S of --splits
-(split kernel + merge, timed together), then `auto`: what model_glue.attention.pick_layout
+(split kernel + merge, timed together), then `auto`: what model_glue.model.attention.pick_layout
 picks on this adapter.
 
 Times are GPU timestamps around each call where the adapter has timestamp-query: the fastest of 3
@@ -28,12 +28,12 @@ import numpy as np
 
 from app.bench.harness import DecodeCall, as_dtype, random_paged_inputs
 from app.bench.reference import decode_attention_f64, relative_l2
-from model_glue.artifact import KernelLibrary
-from model_glue.attention import AttentionKernels, resolve_attention_kernels, runnable_builds
+from model_glue.gpu.artifact import KernelLibrary
+from model_glue.model.attention import AttentionKernels, resolve_attention_kernels, runnable_builds
 from model_glue.policy import pick_layout
 from app.bench.clock_warmer import STREAM_GROUP_WORDS, STREAM_WORDS as CLOCK_STREAM_WORDS, ClockWarmer
 from contract.model import BENCH_SHAPES, MODEL_CONFIGS
-from model_glue.webgpu_native import WgpuDevice
+from model_glue.gpu.webgpu_native import WgpuDevice
 
 STREAM_WORDS = CLOCK_STREAM_WORDS  # 96 MiB of f32: far beyond any cache, within default binding limits
 SHAPES = BENCH_SHAPES + [MODEL_CONFIGS["smollm2_135m"].attention_shape]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from app.bench.inputs import bench_inputs
 from chat.session import ChatSession
-from model_glue.artifact import folder_readers
+from model_glue.sources import Artifact, open_model
+from model_glue.gpu.artifact import folder_readers
 
 LONG_DOCUMENT = Path(__file__).resolve().parents[2] / "static" / "long_document.txt"
 FOLLOW_UPS = ["Who kept the ledger after Edda Voss died?", "Why did the flood in the quarry year break the pattern?",
@@ -30,8 +31,8 @@ def conversation(turns: int) -> list[str]:
 
 async def run_chat_bench(args) -> dict:
     device, library, model_dir, weights = await bench_inputs(args, tokenizer=True)
-    chat = await ChatSession.load(device, library, folder_readers(model_dir),
-                                  dtype=None if args.dtype == "auto" else args.dtype)
+    chat = ChatSession(await open_model(device, library, Artifact(folder_readers(model_dir)),
+                                        dtype=None if args.dtype == "auto" else args.dtype))
     print(f"adapter: {device.adapter_name}; model: {weights}; dtype {chat.model.dtype}; attention auto; "
           f"{args.turns} turns of up to {args.max_tokens} tokens; wall-clock times", flush=True)
     turns = conversation(args.turns)

@@ -18,7 +18,7 @@ import time
 
 from app.bench.inputs import bench_model
 from app.bench.profile import print_profile, profile_contexts
-from model_glue.generate import GREEDY, Sampling, generate
+from model_glue.model.generate import GREEDY, Sampling, generate
 from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0

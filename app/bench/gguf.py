@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from chat.session import ChatSession
+from model_glue.sources import GGUFFile, open_model
 from contract.model import ALL_MODEL_CONFIGS, synthetic_config_name
-from model_glue.artifact import KernelLibrary
-from model_glue.gguf_file import file_reader
+from model_glue.gpu.artifact import KernelLibrary
+from model_glue.formats.gguf_file import file_reader
 from model_glue.options import RunOptions
-from model_glue.webgpu_native import WgpuDevice
+from model_glue.gpu.webgpu_native import WgpuDevice
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 
@@ -53,7 +54,7 @@ async def run_gguf_bench(args) -> list[dict]:
         for run in range(args.runs):
             read, size = file_reader(path)
             started = time.perf_counter()
-            chat = await ChatSession.load_gguf(device, library, read, size, options=RunOptions(max_context=4096))
+            chat = ChatSession(await open_model(device, library, GGUFFile(read, size), options=RunOptions(max_context=4096)))
             ready = time.perf_counter() - started
             result = await chat.reply(PROMPT, max_new_tokens=args.tokens)
             speed = result["speed"]

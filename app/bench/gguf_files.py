@@ -77,7 +77,7 @@ def encode(w: np.ndarray, qtype: str) -> np.ndarray:
 
 def byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
     """A byte-level BPE vocabulary of `size` tokens: the 256 byte symbols, then merges of common pairs."""
-    from model_glue.tokenizer import bytes_to_unicode
+    from model_glue.formats.tokenizer import bytes_to_unicode
 
     symbols = list(bytes_to_unicode().values())
     tokens, merges = list(symbols), []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_glue.attention import attention_call, attention_dispatches, split_workspace_bytes
+from model_glue.model.attention import attention_call, attention_dispatches, split_workspace_bytes
 from contract.attention import MAX_SPLITS
 from contract.kernels import PAGE_SIZE
 from contract.model import AttentionShape

@@ -6,9 +6,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from model_glue.artifact import KernelLibrary
+from model_glue.gpu.artifact import KernelLibrary
 from contract.artifacts import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from model_glue.webgpu_native import WgpuDevice
+from model_glue.gpu.webgpu_native import WgpuDevice
 
 
 async def bench_inputs(args, tokenizer: bool = False):
@@ -32,7 +32,7 @@ async def bench_inputs(args, tokenizer: bool = False):
 async def bench_model(args, options, tokenizer: bool = False):
     """(device, library, loaded model, its label): the model of `bench_inputs`, or with --shape NAME a
     synthetic model of that contract shape whose weights are filled on the GPU (model_glue.synthetic)."""
-    from model_glue.artifact import folder_readers
+    from model_glue.gpu.artifact import folder_readers
     from model_glue.loading import load_model, load_synthetic_model
 
     dtype = None if args.dtype == "auto" else args.dtype

@@ -15,8 +15,8 @@ import random
 import time
 
 from app.bench.inputs import bench_inputs
-from model_glue.artifact import folder_readers
-from model_glue.generate import generate
+from model_glue.gpu.artifact import folder_readers
+from model_glue.model.generate import generate
 from model_glue.loading import load_model
 from model_glue.options import RunOptions
 

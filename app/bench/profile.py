@@ -17,7 +17,7 @@ import random
 import statistics
 
 from app.bench.attention import dispatch_floor, ramp_clocks, stream_bandwidth
-from model_glue.generate import generate
+from model_glue.model.generate import generate
 
 EMPTY_PASS_CALLS = 64
 

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from contract.attention import AttentionChoice
 from contract.kernels import INT8_X_MATMULS, MATRIX_MATMULS, SPLIT_WORKSPACE, Matmul, Role, matmul_role
 from contract.model import head_tensor
-from model_glue.attention import attention_call, attention_dispatches
-from model_glue.kernel import DispatchPlan
-from model_glue.pass_plan import PassPlan
-from model_glue.step_stats import PassStamps
+from model_glue.model.attention import attention_call, attention_dispatches
+from model_glue.gpu.kernel import DispatchPlan
+from model_glue.model.pass_plan import PassPlan
+from model_glue.model.step_stats import PassStamps
 
 
 def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False,
@@ -236,7 +236,7 @@ def _swiglu_ffn(m, enc, plan: PassPlan, weight: str, x, h, norm: str, h_codes: d
 
 
 def encode_forward(m, enc: PassEncoder, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> None:
-    """The whole forward pass of model `m` (model_glue.model.LlamaModel) as `plan` lays it out, as
+    """The whole forward pass of model `m` (model_glue.model.llama.LlamaModel) as `plan` lays it out, as
     kernel dispatches (in one compute pass where the encoder asks for it). The model gives the
     weights, buffers and compiled kernels; every choice is the plan's."""
     with enc.whole_pass(PassStamps(m.config.n_layers)):

@@ -2,7 +2,7 @@
 
 The page reads a user's GGUF in Pyodide, which has no numpy (so not the `gguf` package); the native
 runtime reads files through the same code. Only the header is parsed here; tensor data stays where it
-is and is read range by range when it is uploaded (model_glue.gguf_upload). The format is GGUF v2/v3
+is and is read range by range when it is uploaded (model_glue.formats.gguf_upload). The format is GGUF v2/v3
 (llama.cpp's gguf.md): magic, version, tensor and metadata counts, metadata key/values, tensor infos
 (name, dims with ne0 first, type, offset from the data section), then data aligned to
 `general.alignment` (default 32).

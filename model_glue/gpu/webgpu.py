@@ -3,9 +3,9 @@
 This module holds what both share: the usage bits, the limits and features a device asks for, the
 errors, `Device` (buffers, reads, pipelines, device loss; a backend implements its `_`-prefixed
 primitives), `Batch`, `RecordedPasses` and `Timestamps`. The backends:
-`model_glue.webgpu_browser.BrowserDevice` drives Pyodide's `js.navigator.gpu`;
-`model_glue.webgpu_native.WgpuDevice` drives wgpu-py (native, used by tests and benchmarks).
-`model_glue.device.open_device` imports the one this process runs on, so neither `js` nor `wgpu` is
+`model_glue.gpu.webgpu_browser.BrowserDevice` drives Pyodide's `js.navigator.gpu`;
+`model_glue.gpu.webgpu_native.WgpuDevice` drives wgpu-py (native, used by tests and benchmarks).
+`model_glue.gpu.device.open_device` imports the one this process runs on, so neither `js` nor `wgpu` is
 imported where it does not exist. Both expose the same methods, so everything above this seam runs unchanged in
 the browser and natively. The API is async because the browser's WebGPU promises must be awaited.
 """
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 MAP_READ, COPY_SRC, COPY_DST, UNIFORM, STORAGE, QUERY_RESOLVE = 1, 4, 8, 64, 128, 512
 
 # Limits the device asks for, each at the adapter's best value. What the artifact's kernels need of
-# them is read from the manifest when a kernel is compiled (model_glue.kernel.unmet_limits) and the
+# them is read from the manifest when a kernel is compiled (model_glue.gpu.kernel.unmet_limits) and the
 # model checks its buffer sizes at load, so an adapter below the artifact's needs is refused there,
 # with the limit named, instead of failing somewhere inside a pass.
 KERNEL_LIMITS = (
@@ -79,7 +79,7 @@ class Device:
         self.has_packed_int8_dot = True
         # The fewest and most invocations a subgroup of this device holds (None without
         # `subgroups`; each backend finds them its own way): a subgroup-layout kernel runs only if
-        # its row lanes fit in one (model_glue.attention).
+        # its row lanes fit in one (model_glue.model.attention).
         self.subgroup_min_size: int | None = None
         self.subgroup_max_size: int | None = None
         # The subgroup-matrix shapes the adapter multiplies (with SUBGROUP_MATRIX), each as

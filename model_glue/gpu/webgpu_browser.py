@@ -1,7 +1,7 @@
-"""The browser backend of the WebGPU seam (model_glue.webgpu): `BrowserDevice` on Pyodide's
+"""The browser backend of the WebGPU seam (model_glue.gpu.webgpu): `BrowserDevice` on Pyodide's
 `js.navigator.gpu`, and `BrowserRecordedPasses`, whose replay runs in the page (static/replay.js).
 
-Imported only in the browser (`model_glue.device.open_device` under Pyodide): `js` exists nowhere else.
+Imported only in the browser (`model_glue.gpu.device.open_device` under Pyodide): `js` exists nowhere else.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from array import array
 import js
 from pyodide.ffi import create_once_callable, create_proxy, to_js
 
-from model_glue.webgpu import (
+from model_glue.gpu.webgpu import (
     MAP_READ, OPTIONAL_FEATURES, SUBGROUP_MATRIX, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
 )
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
-from model_glue.kernel import Kernel
+from model_glue.gpu.kernel import Kernel
 
 
 class ArtifactError(RuntimeError):

@@ -1,6 +1,6 @@
 """A GGUF's own tokenizer, built from its metadata in pure Python (it runs in Pyodide too).
 
-- `tokenizer.ggml.model` "gpt2": byte-level BPE with the file's merges (model_glue.tokenizer's
+- `tokenizer.ggml.model` "gpt2": byte-level BPE with the file's merges (model_glue.formats.tokenizer's
   BPETokenizer), its split pattern named by `tokenizer.ggml.pre` (PRE_TOKENIZERS);
 - "llama": SentencePiece as llama.cpp runs it (`SentencePieceTokenizer`): spaces become U+2581, a
   space is put before the text and after each special token, adjacent pieces merge highest score first, and characters without a
@@ -17,7 +17,7 @@ import heapq
 import re
 
 from model_glue.errors import ModelError
-from model_glue.tokenizer import BPETokenizer, SpecialsFirst, special_token_pattern
+from model_glue.formats.tokenizer import BPETokenizer, SpecialsFirst, special_token_pattern
 
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from contract.gguf import ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata
 from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, model_tensors, rope_frequency_divisors
 from model_glue.errors import ModelError
-from model_glue.gguf_file import GGUFHeader, GGUFTensor
+from model_glue.formats.gguf_file import GGUFHeader, GGUFTensor
 
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_FREQS_RTOL = 1e-4  # the file's f32 divisors against the contract's formula

@@ -1,7 +1,7 @@
-"""The native backend of the WebGPU seam (model_glue.webgpu): `WgpuDevice` on wgpu-py.
+"""The native backend of the WebGPU seam (model_glue.gpu.webgpu): `WgpuDevice` on wgpu-py.
 
 Tests, benchmarks and the native CLI run on it; the browser never imports this module
-(`model_glue.device.open_device` imports it only outside Pyodide). Also here: the measurement of
+(`model_glue.gpu.device.open_device` imports it only outside Pyodide). Also here: the measurement of
 the subgroup size (wgpu-native reports none) and `WgpuRecordedPasses`, a replay that calls
 wgpu-native directly.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import wgpu
 
 from contract.kernels import MAX_INVOCATIONS
-from model_glue.webgpu import (
+from model_glue.gpu.webgpu import (
     MAP_READ, OPTIONAL_FEATURES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
 )
 

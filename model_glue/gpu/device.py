@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from model_glue.webgpu import Device
+from model_glue.gpu.webgpu import Device
 
 
 def in_browser() -> bool:
@@ -17,9 +17,9 @@ def in_browser() -> bool:
 async def open_device(limit_caps: dict[str, int] | None = None) -> Device:
     """The device of this process, with the limits `limit_caps` lowers (tests pretend to be smaller)."""
     if in_browser():
-        from model_glue.webgpu_browser import BrowserDevice
+        from model_glue.gpu.webgpu_browser import BrowserDevice
 
         return await BrowserDevice.open(limit_caps)
-    from model_glue.webgpu_native import WgpuDevice
+    from model_glue.gpu.webgpu_native import WgpuDevice
 
     return await WgpuDevice.open(limit_caps)

@@ -1,7 +1,7 @@
 """The activation buffers a model's passes read and write, sized for the longest pass so far.
 
 They grow in powers of two and never shrink, so prompts of other lengths fit the same buffers and
-the passes bound to them (model_glue.kernel.DispatchPlan) live on; a growth drops those plans.
+the passes bound to them (model_glue.gpu.kernel.DispatchPlan) live on; a growth drops those plans.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from contract.attention import MAX_SPLITS
 from contract.kernels import head_spec
 from contract.model import LlamaConfig
-from model_glue.attention import split_workspace_bytes
+from model_glue.model.attention import split_workspace_bytes
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS
-from model_glue.kv_cache import PagedKVCache
+from model_glue.model.kv_cache import PagedKVCache
 
 # Buffers of one token whatever the pass: the last token's hidden state, its logits, the head's
 # best (value, index) per workgroup (the argmax reads them), the chosen id, and a decode matmul's x

@@ -23,7 +23,7 @@ _OPS = {
 }
 
 from contract.artifacts import KernelSpec
-from model_glue.webgpu import AdapterLimitError
+from model_glue.gpu.webgpu import AdapterLimitError
 
 
 def evaluate(expr, values: dict[str, float]):

@@ -10,7 +10,7 @@ much in Pyodide's heap and a staging buffer past some adapters' binding limit.)
 from __future__ import annotations
 
 from contract.gguf import GGML_TYPES_BY_ID, REPACK_BUFFERS, repack_kernel_name
-from model_glue.gguf_model import PlannedTensor, f32_values
+from model_glue.formats.gguf_model import PlannedTensor, f32_values
 
 DRAIN_BYTES = 256 << 20
 CHUNK_BYTES = 32 << 20

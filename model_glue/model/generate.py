@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from contract.kernels import MAX_TOP_K
 from model_glue.errors import ModelError
-from model_glue.model import LlamaModel
-from model_glue.step_stats import StepStats
+from model_glue.model.llama import LlamaModel
+from model_glue.model.step_stats import StepStats
 from model_glue.options import RunOptions
 
 STOPPED_BY_USER = "stopped by user"

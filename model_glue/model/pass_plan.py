@@ -1,5 +1,5 @@
 """A pass's plan: every choice that fixes its dispatches, made once when the pass is submitted
-(LlamaModel.plan_pass, by model_glue.policy's rules); model_glue.forward reads only the plan.
+(LlamaModel.plan_pass, by model_glue.policy's rules); model_glue.model.forward reads only the plan.
 
 No numpy and no TVM: the same code runs in Pyodide and natively.
 """

@@ -1,12 +1,12 @@
 """A Llama-shaped model on WebGPU: its weights, kernels, KV cache and activation buffers, and the
 passes that run it.
 
-`submit` encodes one pass (model_glue.forward, the forward pass itself) through a bound plan or a
-recorded replay and hands it to the pipeline of passes in flight (model_glue.pipeline); `finish`
-reads its token id back and records its statistics (model_glue.step_stats). Every decode step asks
-model_glue.attention which kernels run: the tiled nest up to 256 tokens, above that the sharded nest
+`submit` encodes one pass (model_glue.model.forward, the forward pass itself) through a bound plan or a
+recorded replay and hands it to the pipeline of passes in flight (model_glue.model.pipeline); `finish`
+reads its token id back and records its statistics (model_glue.model.step_stats). Every decode step asks
+model_glue.model.attention which kernels run: the tiled nest up to 256 tokens, above that the sharded nest
 in the layout and split count this adapter's rule picks; a pass of several tokens runs the causal
-prefill kernel. Loading is model_glue.loading, generation model_glue.generate. No numpy and no TVM:
+prefill kernel. Loading is model_glue.loading, generation model_glue.model.generate. No numpy and no TVM:
 the same code runs in Pyodide and natively.
 """
 
@@ -19,17 +19,17 @@ from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, matmul_role, matmul_subgroup_lanes,
                               prefill_matrix)
-from model_glue.attention import AttentionKernels
+from model_glue.model.attention import AttentionKernels
 from model_glue.errors import ModelError
-from model_glue.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
-from model_glue.kernel import DispatchPlan
-from model_glue.kv_cache import PagedKVCache
+from model_glue.model.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
+from model_glue.gpu.kernel import DispatchPlan
+from model_glue.model.kv_cache import PagedKVCache
 from model_glue.options import RunOptions
-from model_glue.pass_plan import PREFILL_ON_MATRICES, PassPlan
-from model_glue.pipeline import PassPipeline, PendingPass
+from model_glue.model.pass_plan import PREFILL_ON_MATRICES, PassPlan
+from model_glue.model.pipeline import PassPipeline, PendingPass
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS, choose_decode_attention, merges_in_o, short_token_tile
-from model_glue.scratch import ScratchBuffers
-from model_glue.step_stats import StepStats, stamp_count
+from model_glue.model.scratch import ScratchBuffers
+from model_glue.model.step_stats import StepStats, stamp_count
 
 def query_contexts(n: int, start: int) -> list[int]:
     """The prefix each of a pass's n tokens attends to, after `start` cached tokens (causal)."""
@@ -69,7 +69,7 @@ class LlamaModel:
         self.kv = PagedKVCache(device, config, self.esize, options.max_context)
         self.cached_ids: list[int] = []  # the token ids whose K/V the cache holds, in order
         self.buffers = ScratchBuffers(device, config, self.esize, self.kv.capacity)
-        # Each layer's attention, then the whole pass (model_glue.step_stats.PassStamps); reused by
+        # Each layer's attention, then the whole pass (model_glue.model.step_stats.PassStamps); reused by
         # every pass (query sets are scarce): a pass copies them out before the next one writes them.
         stamps = device.timestamps(stamp_count(config.n_layers)) if device.has_timestamps else None
         self.pipeline = PassPipeline(device, stamps)
@@ -210,7 +210,7 @@ class LlamaModel:
 
     # -- scratch buffers ------------------------------------------------------------------------------------
     def ensure_scratch(self, tokens: int) -> None:
-        """Activation buffers for up to `tokens` tokens per pass (model_glue.scratch)."""
+        """Activation buffers for up to `tokens` tokens per pass (model_glue.model.scratch)."""
         if self.buffers.ensure(tokens):
             self._drop_plans()  # they bound the old buffers
 
@@ -223,7 +223,7 @@ class LlamaModel:
     # -- passes -----------------------------------------------------------------------------------------
     async def forward(self, token_ids: list[int], sampling=None, draw: float = 0.0) -> int:
         """Run `token_ids` (appended to the cache) and return the next token id: the argmax, or
-        with a non-greedy `sampling` (model_glue.generate.Sampling) the token `draw` picks."""
+        with a non-greedy `sampling` (model_glue.model.generate.Sampling) the token `draw` picks."""
         return await self.finish(self.submit(token_ids, sampling, draw))
 
     def submit(self, token_ids: list[int] | None, sampling=None, draw: float = 0.0,
@@ -333,7 +333,7 @@ class LlamaModel:
 
     async def profile_decode_step(self, stamps) -> tuple[AttentionChoice, list[tuple[str, dict, int]]]:
         """One greedy decode step after the cached context, every dispatch in a timed pass of its own
-        (model_glue.forward.ProfilingEncoder; `stamps` holds exactly two queries per dispatch), then
+        (model_glue.model.forward.ProfilingEncoder; `stamps` holds exactly two queries per dispatch), then
         the model is reset (the step overwrote the last id). Returns the step's attention choice and
         (kernel name, bound buffers, GPU ns) per dispatch, in order."""
         if self.pipeline.in_flight or not self.cached_ids:

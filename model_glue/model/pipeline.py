@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from model_glue.options import MAX_PIPELINE_DEPTH
-from model_glue.step_stats import PassStamps, StepStats
+from model_glue.model.step_stats import PassStamps, StepStats
 
 STAMPS_OFFSET = 8  # a pass's readback: the chosen id (4 bytes, padded), then its raw timestamps
 
