@@ -6,13 +6,13 @@ import os
 import sys
 import time
 
+from app.run_options_cli import run_options
 from chat.session import ChatSession
 from model_glue.sources import Artifact, GGUFFile, open_model
 from model_glue.gpu.artifact import ArtifactError, KernelLibrary, folder_readers
 from model_glue.errors import ModelError
 from model_glue.model.generate import Sampling
 from model_glue.formats.gguf_file import file_reader
-from model_glue.options import RunOptions
 from model_glue.gpu.webgpu import DeviceLostError, WebGPUUnavailable
 from model_glue.gpu.webgpu_native import WgpuDevice
 
@@ -50,11 +50,12 @@ async def run_generate(args) -> int:
             source = GGUFFile(read, size)
         else:
             source = Artifact(folder_readers(args.model))
-        chat = ChatSession(await open_model(device, library, source, dtype=dtype, progress=progress))
-        print(f"[{device.adapter_name}, {chat.model.dtype}, attention={args.attention}; "
+        options = run_options(args)
+        chat = ChatSession(await open_model(device, library, source, options=options, dtype=dtype, progress=progress))
+        print(f"[{device.adapter_name}, {chat.model.dtype}, attention={options.attention}; "
               f"model ready in {time.perf_counter() - loading:.1f} s]", file=sys.stderr)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=RunOptions(attention=args.attention),
+        result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=options.per_request(),
                                   sampling=sampling, on_text=lambda piece: print(piece, end="", flush=True))
     except (ModelError, ArtifactError, WebGPUUnavailable, DeviceLostError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from chat.session import DEFAULT_MAX_NEW_TOKENS
 from contract.kernels import MAX_TOP_K
+from model_glue.options import option_kinds
 from model_glue.policy import TILED_MAX_CONTEXT
 from model_glue.model.generate import STOPPED_IN_PREFILL
 from model_glue.model.step_stats import STEP_FIELDS
@@ -80,8 +81,11 @@ def constants() -> dict:
     """What the page would otherwise copy from the runtime (name -> JSON value)."""
     from chat.page import LAB_MAX_ITERS  # chat.page imports the WebGPU seam
 
+    # the URL may set every run option but max_context, which the page's ?context= sets
+    run_options = [name for name in option_kinds() if name != "max_context"]
     return {"SWITCH_AT": TILED_MAX_CONTEXT, "STOPPED_IN_PREFILL": STOPPED_IN_PREFILL,
-            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS}
+            "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS,
+            "RUN_OPTION_NAMES": run_options}
 
 
 def page_api_js() -> str:

@@ -128,6 +128,10 @@ class RunOptions:
                                                     "prefill_matrix", "prefill_attention_matrix")
                           if getattr(request, f) is not None})
 
+    def per_request(self) -> "RunOptions":
+        """These options as a request to a loaded model: the load-time fields left to the model's."""
+        return replace(self, max_context=None, matmul_subgroups=None, matmul_int8_x=None, warm_up=None)
+
     @classmethod
     def from_json(cls, text: str | None) -> "RunOptions":
         """The page's options as JSON ({"attention": "tiled", ...}); unknown names are refused."""
@@ -139,16 +143,45 @@ class RunOptions:
 
     @classmethod
     def from_dict(cls, values: dict) -> "RunOptions":
-        """The page's options, already decoded; unknown names are refused."""
+        """Options by field name, each typed or in its text form (`option_value`); unknown names are refused."""
         if not isinstance(values, dict):
             raise ModelError(f"bad run options: {values!r} is not an object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        kinds = option_kinds()
+        unknown = sorted(set(values) - set(kinds))
         if unknown:
-            raise ModelError(f"unknown run options {unknown} (known: {sorted(known)})")
-        return cls(**values).check()
+            raise ModelError(f"unknown run options {unknown} (known: {sorted(kinds)})")
+        return cls(**{name: option_value(name, value) for name, value in values.items()}).check()
 
     def to_json(self) -> dict:
         values = asdict(self)
         values["layout"] = None if self.layout is None else str(self.layout)
         return values
+
+
+# A field's kind, from its annotation: what its text form is (the CLI's flags, the bench's modes and the
+# page's URL all write options as text).
+OPTION_KINDS = {"bool | None": "auto-on-off", "bool": "on-off", "int | None": "count", "str": "text",
+                "LayoutChoice | None": "text"}
+TRUE_WORDS, FALSE_WORDS = ("on", "true", "1"), ("off", "false", "0")
+
+
+def option_kinds() -> dict[str, str]:
+    """Field name -> its kind ("auto-on-off", "on-off", "count" or "text")."""
+    return {f.name: OPTION_KINDS[f.type] for f in fields(RunOptions)}
+
+
+def option_value(name: str, value):
+    """A field's value from its text form ("auto" / "on" / "off", a whole number, a layout such as
+    "shards:8", a nest), or `value` itself where it is not text (JSON's own booleans and numbers)."""
+    kind = option_kinds()[name]
+    if not isinstance(value, str) or kind == "text":
+        return value
+    word = value.strip().lower()
+    if kind == "auto-on-off" and word == "auto":
+        return None
+    if kind in ("auto-on-off", "on-off") and word in TRUE_WORDS + FALSE_WORDS:
+        return word in TRUE_WORDS
+    if kind == "count" and word.isdigit():
+        return int(word)
+    expected = {"auto-on-off": "auto, on or off", "on-off": "on or off", "count": "a whole number"}[kind]
+    raise ModelError(f"{name} must be {expected}, not {value!r}")

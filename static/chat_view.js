@@ -7,7 +7,7 @@ import { chatError, deviceLost, errorText } from "./faults.js";
 import { keeper } from "./gguf_keeper.js";
 import { clearOverlay, drawOverlayNow, showComparison, showPrefill, showSpeed, speedText, updateOverlay } from "./overlay.js";
 import { DEFAULT_MAX_NEW_TOKENS, STOPPED_IN_PREFILL, SWITCH_AT } from "./page_api.js";
-import { $, definitionList, fmt, state } from "./ui.js";
+import { $, definitionList, fmt, state, URL_RUN_OPTIONS } from "./ui.js";
 
 const LONG_DOCUMENT_QUESTION = "\n\nSummarize the document above in three sentences.";
 
@@ -53,7 +53,7 @@ export function finishReply(bubble, body, result) {
 function request() {
   return JSON.stringify({
     max_new_tokens: Number($("max-tokens").value) || DEFAULT_MAX_NEW_TOKENS,
-    options: { attention: $("attention").value },
+    options: { ...URL_RUN_OPTIONS, attention: $("attention").value },
     sampling: { temperature: Number($("temperature").value) || 0, top_k: Number($("top-k").value),
       top_p: Number($("top-p").value), seed: $("seed").value === "" ? null : Number($("seed").value) },
   });

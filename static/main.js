@@ -11,7 +11,7 @@ import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
 import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
-import { $, definitionList, MiB, state } from "./ui.js";
+import { $, definitionList, MiB, state, URL_RUN_OPTIONS } from "./ui.js";
 import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels, GGUF_CHUNK_BYTES } from "./weights_cache.js";
 
 window.demoUI = { finishReply, addMessage, missesText, TextStream };  // for the page tests
@@ -44,6 +44,7 @@ function showConstants() {
   $("lab-iters").max = LAB_MAX_ITERS;
 }
 showConstants();
+if (URL_RUN_OPTIONS.attention) $("attention").value = URL_RUN_OPTIONS.attention;  // ?attention=tiled
 
 // The model this page runs, named everywhere the page says what it runs (state.model: the exports'
 // too). `model`: {name, kind: "artifact" | "synthetic" | "gguf" | "none", shape, layers, ...}.
@@ -116,7 +117,7 @@ async function loadChat(python) {
   if (SYNTHETIC_SHAPE) {
     state.info = JSON.parse(await python.call("openSyntheticChat", {
       shape: SYNTHETIC_SHAPE, tokenizerBase: new URL("./artifacts/smollm2", location.href).href,
-      options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
+      options: JSON.stringify({ ...URL_RUN_OPTIONS, max_context: REQUESTED_CONTEXT }),
     }, { progress: (message) => step(`${MODEL_LABEL}: ${message}…`) }));
     nameModel({ name: SYNTHETIC_NAME, kind: "synthetic", shape: state.info.config, layers: state.info.layers });
     return;
@@ -147,7 +148,7 @@ async function loadChat(python) {
     await showCache();
   };
   state.info = JSON.parse(await python.call("openChat", {
-    base, options: JSON.stringify({ max_context: REQUESTED_CONTEXT }),
+    base, options: JSON.stringify({ ...URL_RUN_OPTIONS, max_context: REQUESTED_CONTEXT }),
     weights: { url: `${base}/${manifest.weights_file}`, sha256: manifest.weights_sha256, bytes: manifest.total_bytes },
   }, { weights: showWeights, fetched, progress: (message) => step(`${name}: ${message}…`) }));
   nameModel({ name, kind: "artifact", artifact: MODEL, shape: state.info.config, layers: state.info.layers });
@@ -215,7 +216,7 @@ async function openGguf(app, file, cached = null) {
   step(`Opening ${name} (${MiB(bytes)} MiB, ${cached ? "from the browser's cache" : "read in this browser"})…`);
   try {
     await stopRunning(app);
-    const options = JSON.stringify({ max_context: REQUESTED_CONTEXT });
+    const options = JSON.stringify({ ...URL_RUN_OPTIONS, max_context: REQUESTED_CONTEXT });
     const progress = { progress: (message) => step(`${name}: ${message}…`) };
     const info = JSON.parse(cached ? await app.python.call("openCachedGguf", { key: cached.key, options }, progress)
       : await app.python.call("openGgufChat", { file, options }, progress));

@@ -1,7 +1,14 @@
 // What every module of the page shares: element lookup and window.demoState, the page's state
 // (read by the tests and by `python -m app bench page`). Text from the model or the user is only
 // ever set through textContent, never as HTML.
+import { RUN_OPTION_NAMES } from "./page_api.js";
+
 export const $ = (id) => document.getElementById(id);
+
+// ?layout=shards:8, ?merge_in_o=off, ...: any RunOptions field by name (chat/api.py), passed on as text
+// with the model's load and with every request; Python reads and checks it (model_glue.options).
+export const URL_RUN_OPTIONS = Object.fromEntries([...new URLSearchParams(location.search)]
+  .filter(([name]) => RUN_OPTION_NAMES.includes(name)));
 
 // steps: this conversation's live per-step stats (the overlay); replies: every finished reply or
 // comparison run with its speed figures and complete step table (the export); info: the loaded

@@ -1,13 +1,12 @@
 """`python -m app bench decode` natively (wgpu/lavapipe) on the tiny test model: the bench's own
 entry, with contexts shorter than its warm-up prompt (the KV cache must hold the warm-up too)."""
 
-import argparse
-
 import pytest
 
 import app.bench.attention as attention_bench
 import app.bench.decode as decode_bench
 import app.bench.inputs as bench_inputs
+from app.__main__ import build_parser
 from convert.weights import write_random_artifact
 
 
@@ -31,13 +30,14 @@ def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_li
     monkeypatch.setattr(decode_bench, "WARMUP_PROMPT", 72)
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
     assert 64 + 3 + 1 < decode_bench.WARMUP_PROMPT + decode_bench.WARMUP_NEW_TOKENS
-    args = argparse.Namespace(contexts=[64], steps=3, dtype="float32", synthetic=False, sample=False, json=None,
-                              model=tiny_folder, kernels=test_artifact_dir,
-                              modes=["auto", "auto:shards", "tiled", "auto:one-pass", "auto:every-2+merge-apart"])
+    modes = ["default", "layout=shards", "attention=tiled", "time_attention_every=0",
+             "time_attention_every=2,merge_in_o=off"]
+    args = build_parser().parse_args(["bench", "decode", "--contexts", "64", "--steps", "3", "--dtype", "float32",
+                                      "--model", str(tiny_folder), "--kernels", str(test_artifact_dir),
+                                      *(arg for mode in modes for arg in ("--mode", mode))])
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
     rows = result["rows"]
-    assert [row["attention"] for row in rows] == ["auto", "auto:shards", "tiled", "auto:one-pass",
-                                                  "auto:every-2+merge-apart"]
+    assert [row["mode"] for row in rows] == modes
     assert all(row["context"] == 64 for row in rows)
     assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in rows)
     one_pass, timed = rows[3], rows[0]
@@ -66,9 +66,9 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     monkeypatch.setattr(decode_bench, "WARMUP_SECONDS", 0.0)
     monkeypatch.setattr(decode_bench, "WARMUP_PROMPT", 40)
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
-    args = argparse.Namespace(contexts=[24], steps=2, dtype="float32", synthetic=False, sample=False, json=None,
-                              modes=["auto", "auto:shards", "tiled"],
-                              model=tiny_folder, kernels=test_artifact_dir, profile=True, profile_repeats=1)
+    args = build_parser().parse_args(["bench", "decode", "--contexts", "24", "--steps", "2", "--dtype", "float32",
+                                      "--model", str(tiny_folder), "--kernels", str(test_artifact_dir),
+                                      "--mode", "default", "--profile", "--profile-repeats", "1"])
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
     (row,) = result["profile"]["contexts"]
     roles = row["roles"]

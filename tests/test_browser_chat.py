@@ -167,6 +167,29 @@ def test_html_is_shown_as_text_and_stop_keeps_the_partial_reply(chat_page):
     assert history[-1]["role"] == "assistant" and history[-1]["content"] == reply["text"]
 
 
+def test_the_url_sets_run_options_and_names_a_bad_one(browser, server):
+    """?attention=sharded&layout=shards:2&merge_in_o=off: RunOptions fields by name, the same text the
+    CLI's flags and the bench's modes take; the model applies them and so does each reply."""
+    tab = open_chat_page(browser, server, "?model=tiny_chat&context=512&attention=sharded&layout=shards:2"
+                                          "&merge_in_o=off&time_attention_every=1")
+    try:
+        options = tab.evaluate("window.demoState.info.options")
+        assert (options["layout"], options["merge_in_o"], options["time_attention_every"]) == ("shards:2", False, 1)
+        assert tab.evaluate("document.getElementById('attention').value") == "sharded"
+        send(tab, "Hello", 3)
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+        decode = [s for s in tab.evaluate("window.demoState.steps") if s["kind"] == "decode"]
+        assert decode and all(s["kernel"] == "shards S=2" for s in decode), [s["kernel"] for s in decode]
+    finally:
+        tab.close()
+    bad = open_page(browser, server + "/?model=tiny_chat&merge_in_o=maybe",
+                    "window.demoState.chatReady || window.demoState.error", LOAD_TIMEOUT_MS)
+    try:
+        assert "merge_in_o must be auto, on or off, not 'maybe'" in bad.evaluate("window.demoState.error")
+    finally:
+        bad.close()
+
+
 @pytest.mark.slow
 def test_golden_answer_with_smollm2_in_chromium(browser, server):
     """SmolLM2 itself in the page (about 8 minutes on SwiftShader): the golden answer."""

@@ -35,6 +35,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlencode
+
+from app.run_options_cli import given_options
 
 # Debian's chromium, headless, WebGPU on (SwiftShader where there is no GPU); the tests use these too.
 CHROMIUM_FLAGS = [
@@ -337,7 +340,8 @@ def run_page_bench(args) -> dict:
     httpd = make_server(args.root, host="127.0.0.1", port=0, hooks=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     model = "off" if args.lab else args.model
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/?model={model}&hooks=python"
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python",
+                                                                        **given_options(args)}, safe=":,")
     result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
               "switch_at": constants()["SWITCH_AT"], "loads": []}
     say = lambda text: print(text, flush=True)  # noqa: E731
