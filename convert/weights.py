@@ -1,16 +1,18 @@
-"""Host-side converter: a llama GGUF (Q4_1 matrices, Q8_0 tied embedding) -> the WebGPU weight artifact.
+"""The model artifact's format: writing it (`write_artifact`), reading it back (`read_artifact_tensors`,
+`load_artifact_weights`) and random weights of a contract config (`write_random_artifact`).
 
-This module runs on the build machine only (it needs numpy and gguf); nothing the browser loads
-imports it. The model configs it may write are the contract's (contract.model.ALL_MODEL_CONFIGS):
-a GGUF whose shape is not the named config is refused, since no kernels exist for it. The GPU kernels read the artifact's packing directly, so the format here is a contract:
+A GGUF reaches this format one way only, through the runtime: app.convert_gguf opens the file as
+the page does (model_glue: the header, the tensor plan, the repack on the GPU) and hands the
+repacked tensors to `write_artifact`. This module runs on the build machine only (it needs numpy);
+nothing the browser loads imports it. The GPU kernels read the artifact's packing directly, so the format is a contract:
 
 * `weights.bin` -- every tensor back to back, each starting at a 256-byte aligned offset (WebGPU
   storage-buffer offsets must be aligned, and 256 covers every adapter's limit), little-endian.
-* Q4_1 matrix `W[out, in]` -> `<name>.q4` uint32 `[out, in/8]` (element 8w+k in bits 4k..4k+3 of
+* a Q4 matrix `W[out, in]` -> `<name>.q4` uint32 `[out, in/8]` (element 8w+k in bits 4k..4k+3 of
   word w), `<name>.scale` float32 `[out, in/32]` (block d) and `<name>.min` float32
   `[out, in/32]` (block m); value = scale * code + min. The 4-bit codes are kept bit-exact.
-* Q8_0 embedding -> `embed.q8` uint32 `[vocab, dim/4]` (element 4w+k in byte k of word w, int8)
-  and `embed.scale` float32 `[vocab, dim/32]`; it doubles as the LM head (tied embeddings).
+* the Q8 embedding -> `embed.q8` uint32 `[vocab, dim/4]` (element 4w+k in byte k of word w, int8)
+  and `embed.scale` float32 `[vocab, dim/32]`; it doubles as the LM head (tied embeddings; else `head.q8`, `head.scale`).
 * Norm vectors as float32.
 * Fused matrices so one dispatch serves several projections: `layers.{i}.qkv` (q, k, v rows),
   `layers.{i}.o`, `layers.{i}.gate_up` (gate rows then up rows), `layers.{i}.down`.
@@ -28,58 +30,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from convert.gguf_fields import gguf_field, open_gguf
-
-from contract.gguf import llama_config_from_metadata
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
 from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig
 
 ALIGN = 256
-QBLOCK = 32  # elements per Q4_1 / Q8_0 block
-
-Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles
-Q8_0_BLOCK_BYTES = 34  # f16 d, 32 int8
+QBLOCK = 32  # elements per Q4 / Q8 block
 
 
 class ConvertError(RuntimeError):
-    """The source GGUF is not the llama/Q4_1 shape we convert, or an artifact is missing/corrupt."""
+    """An artifact is missing, incomplete or corrupted."""
 
 
 # ----------------------------------------------------------------------------------------------
-# Block codecs (GGUF raw bytes <-> codes + scales) and our word packing.
+# The word packing of Q4 and Q8 codes, and its dequantization (the tests' reference side).
 # ----------------------------------------------------------------------------------------------
-
-def split_q4_1(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF Q4_1 rows (uint8 [rows, cols/32*20]) -> (codes uint8 [rows, cols], d f32, m f32 [rows, cols/32]).
-
-    Within a block, byte j holds element j in its low nibble and element j+16 in its high nibble;
-    splitting explicitly keeps the codes exact instead of re-deriving them from floats.
-    """
-    rows = raw.shape[0]
-    nb = cols // QBLOCK
-    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q4_1_BLOCK_BYTES)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[:, :, 4:20]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [rows, nb, 32]: low nibbles then high
-    return codes.reshape(rows, cols), d, m
-
-
-def split_q8_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF Q8_0 rows (uint8 [rows, cols/32*34]) -> (codes int8 [rows, cols], d f32 [rows, cols/32])."""
-    rows = raw.shape[0]
-    nb = cols // QBLOCK
-    blocks = np.ascontiguousarray(raw).reshape(rows, nb, Q8_0_BLOCK_BYTES)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[:, :, 2:].copy().view(np.int8)
-    return codes.reshape(rows, cols), d
-
 
 def pack_q4(codes: np.ndarray) -> np.ndarray:
     """4-bit codes uint8 [rows, cols] -> uint32 [rows, cols/8], element 8w+k in bits 4k..4k+3 of word w.
@@ -255,84 +224,11 @@ def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple
     return config, dense
 
 
-# ----------------------------------------------------------------------------------------------
-# GGUF side.
-# ----------------------------------------------------------------------------------------------
-
-def gguf_config(reader) -> LlamaConfig:
-    """The model config from GGUF metadata (contract.gguf.llama_config_from_metadata, the runtime's too)."""
-    metadata = {key: gguf_field(reader, key) for key in reader.fields
-                if key == "general.architecture" or key.startswith("llama.")}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    try:
-        return llama_config_from_metadata(metadata, has_output_head="output.weight" in names,
-                                          embedding_rows=len(tokens.data) if tokens is not None else None)
-    except ValueError as err:
-        raise ConvertError(str(err)) from err
-
-
-def _gguf_tensors(reader) -> dict:
-    return {t.name: t for t in reader.tensors}
-
-
-def _require(tensors: dict, name: str, qtype_name: str, rows: int, cols: int):
-    """Fetch a GGUF tensor and check its type and [rows=out, cols=in] orientation.
-
-    GGUF lists shape ne0 first (the input dim), so `shape == [cols, rows]`.
-    """
-    t = tensors.get(name)
-    if t is None:
-        raise ConvertError(f"GGUF lacks tensor {name!r}")
-    if t.tensor_type.name != qtype_name:
-        raise ConvertError(f"{name}: type {t.tensor_type.name}, expected {qtype_name}")
-    shape = [int(s) for s in t.shape]
-    expect = [cols] if rows == 1 else [cols, rows]
-    if shape != expect:
-        raise ConvertError(f"{name}: GGUF shape {shape}, expected {expect} (ne0 = inputs first)")
-    return t
-
-
-def _gguf_layer_names(i: int) -> dict[str, list[str]]:
-    """Which GGUF tensors (in row order) fuse into each of our matrices."""
-    b = f"blk.{i}"
-    return {"qkv": [f"{b}.attn_q.weight", f"{b}.attn_k.weight", f"{b}.attn_v.weight"],
-            "o": [f"{b}.attn_output.weight"],
-            "gate_up": [f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"],
-            "down": [f"{b}.ffn_down.weight"]}
-
-
 def _matrix_shapes(config: LlamaConfig) -> dict[str, list[tuple[int, int]]]:
-    """(rows, cols) per fused part, matching `_gguf_layer_names`."""
+    """(rows, cols) of the parts each fused matrix stacks, in row order (q, k, v; gate, up)."""
     d, hd, f = config.dim, config.head_dim, config.ffn_dim
     q, kv = config.n_heads * hd, config.n_kv_heads * hd
     return {"qkv": [(q, d), (kv, d), (kv, d)], "o": [(d, q)], "gate_up": [(f, d), (f, d)], "down": [(d, f)]}
-
-
-def _iter_gguf_artifact(reader, config: LlamaConfig, log) -> Iterator[tuple[str, np.ndarray]]:
-    """Artifact tensors in file order, produced layer by layer so memory stays small."""
-    tensors = _gguf_tensors(reader)
-    d, vocab = config.dim, config.vocab_size
-    emb = _require(tensors, "token_embd.weight", "Q8_0", vocab, d)
-    codes, scale = split_q8_0(emb.data, d)
-    yield "embed.q8", pack_q8(codes)
-    yield "embed.scale", scale
-    if "output.weight" in tensors:
-        raise ConvertError("GGUF has a separate output.weight; this format expects tied embeddings")
-    shapes = _matrix_shapes(config)
-    for i in range(config.n_layers):
-        p = f"layers.{i}"
-        yield f"{p}.attn_norm", np.asarray(_require(tensors, f"blk.{i}.attn_norm.weight", "F32", 1, d).data,
-                                           dtype=np.float32)
-        yield f"{p}.ffn_norm", np.asarray(_require(tensors, f"blk.{i}.ffn_norm.weight", "F32", 1, d).data,
-                                          dtype=np.float32)
-        for mat, names in _gguf_layer_names(i).items():
-            parts = [split_q4_1(_require(tensors, n, "Q4_1", r, c).data, c)
-                     for n, (r, c) in zip(names, shapes[mat])]
-            yield from q4_tensors(f"{p}.{mat}", *(np.concatenate(x, axis=0) for x in zip(*parts)))
-        if i % 10 == 9 or i == config.n_layers - 1:
-            log(f"  layer {i + 1}/{config.n_layers} packed")
-    yield "final_norm", np.asarray(_require(tensors, "output_norm.weight", "F32", 1, d).data, dtype=np.float32)
 
 
 def sha256_file(path: Path) -> str:
@@ -341,55 +237,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def convert_gguf(gguf_path, out_dir, config_name: str = "smollm2_135m", log: Callable[[str], None] = print) -> dict:
-    """Convert a llama Q4_1 GGUF into the artifact folder; returns the manifest.
-
-    The GGUF's shape must be the contract's `config_name`: the kernels are built for those shapes.
-    """
-    t0 = time.perf_counter()
-    path = Path(gguf_path)
-    reader = open_gguf(path)
-    config = gguf_config(reader)
-    expected = ALL_MODEL_CONFIGS[config_name]
-    if config != expected:
-        raise ConvertError(f"{path.name} has shape {config}, but the contract's {config_name!r} is {expected} "
-                           "(contract/model.py); add a config there to convert another model")
-    log(f"converting {path.name}: {config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}")
-    source = {"file": path.name, "sha256": sha256_file(path)}
-    context_length = int(gguf_field(reader, "llama.context_length", DEFAULT_CONTEXT_LENGTH))
-    manifest = write_artifact(out_dir, config_name, config, source, _iter_gguf_artifact(reader, config, log), log,
-                              context_length)
-    log(f"artifact {manifest['total_bytes'] / 2**20:.1f} MiB ({manifest['total_bytes']} bytes) "
-        f"in {time.perf_counter() - t0:.1f} s")
-    return manifest
-
-
-def load_gguf_weights(gguf_path, layers: Iterable[int] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """The same dense dict as `load_artifact_weights`, straight from the GGUF via gguf's dequantize.
-
-    This is the independent side of the round-trip check: it never touches our packing code.
-    """
-    from gguf.quants import dequantize
-
-    reader = open_gguf(gguf_path)
-    config = gguf_config(reader).to_dict()
-    tensors = _gguf_tensors(reader)
-
-    def dense(name):
-        t = tensors[name]
-        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-
-    wanted = range(config["n_layers"]) if layers is None else list(layers)
-    out = {"embed": dense("token_embd.weight"), "final_norm": dense("output_norm.weight")}
-    for i in wanted:
-        p = f"layers.{i}"
-        out[f"{p}.attn_norm"] = dense(f"blk.{i}.attn_norm.weight")
-        out[f"{p}.ffn_norm"] = dense(f"blk.{i}.ffn_norm.weight")
-        for mat, names in _gguf_layer_names(i).items():
-            out[f"{p}.{mat}"] = np.concatenate([dense(n) for n in names], axis=0)
-    return config, out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,7 +276,7 @@ def _iter_random_artifact(config: LlamaConfig, seed: int) -> Iterator[tuple[str,
 
 
 def write_random_artifact(config_name: str, out_dir, seed: int = 0) -> dict:
-    """Write random weights of a contract config (same format as `convert_gguf`).
+    """Write random weights of a contract config (the format a converted GGUF has).
 
     Lets runtime/kernel tests run on a tiny model without the GGUF ("tiny_llama", "tiny_chat"),
     and benchmarks run on a SmolLM2-shaped model ("smollm2_135m").

@@ -98,7 +98,7 @@ def test_smollm2_gguf_agrees_with_llama_cpp(loop, gpu, library):
     build `make test-slow` now makes), as we do (f32: 121/128 and 124/128, f16: 122/128). So ours must
     match llama.cpp as well as the exact model does (within 2 steps), and the exact model itself at
     >= 126/128."""
-    from convert.weights import load_gguf_weights
+    from gguf_reference import load_gguf_weights
     from contract.model import LlamaConfig
     from model_reference import ReferenceLlama
 
