@@ -117,15 +117,11 @@ MATRIX_SUFFIX = "_matrix"  # a prefill role's subgroup-matrix build (llama_kerne
 SHORT_SUFFIX = "_short"  # a prefill role's short token tile
 # A split decode step merges its partial states inside the o-projection (o_merges_splits) while all
 # o workgroups together read at most this many bytes of them (from L2): beyond it the merge dispatch
-# is cheaper. Fitted to the H200 (docs/benchmarks.md, one pass, GPU ms a step, merged in o vs apart):
-# SmolLM2 at S = 4..32 (0.7-5.3 MB read) 5% faster; the 1B shape at S = 4 and 8 (8.4, 16.8 MB) 1%;
-# at S = 16 (33.6 MB) even (all before the decode matmuls' subgroup builds).
+# is cheaper (fitted on the H200: "merged in o vs apart" in docs/benchmarks.md).
 O_MERGE_MAX_READ = 16 << 20
-# ... and while x is at most this wide: one 4-wide chunk of x a thread (256 threads x 4), which each
-# thread merges before its weight loads start. With the subgroup builds on the H200 (one device call,
-# one pass, two rounds) the 1B shape (2,048: two chunks a thread) ran 7-8% slower merged in o than
-# apart at every S (2, 4, 8, 16: 1.02-1.07 ms a step against 0.95-0.99), likely that longer prologue;
-# SmolLM2 (576) still 4-5% faster (S = 16, 32). The merged x (f32) then fits workgroup memory too.
+# ... and while x is at most this wide: one 4-wide chunk of x a thread, merged before its weight loads
+# start (two chunks a thread made the merge's prologue cost more than the dispatch it saves); the
+# merged x (f32) then fits workgroup memory too.
 O_MERGE_MAX_X = 4 * MATMUL_ROWS * 32  # a 4-wide chunk for each of the workgroup's 8 x 32 threads
 
 
@@ -301,11 +297,8 @@ class MatmulSpec:
     def rows_per_thread(self) -> int:
         """Weight rows per thread of the decode matmul: each loaded x (and norm weight) serves this
         many, but more rows a thread leave fewer workgroups to fill the GPU. With SwiGLU a thread
-        takes the gate and the up row of each of its columns, so at least two. Measured on the H200
-        (one device call, f16): 4 rows took the 8B shape's gate/up 2.27 -> 2.08 ms a step and the
-        1B's 452 -> 417 us, but SmolLM2's (96 workgroups left) 280 -> 330 us; 1 row instead of 2
-        took the 8B's down 1.46 -> 1.34 ms (256 -> 512 workgroups) and the 1B's qkv 241 -> 212 us
-        (192 -> 384), but the 8B's qkv 0.80 -> 0.90 ms (384 -> 768)."""
+        takes the gate and the up row of each of its columns, so at least two. The thresholds below
+        were measured on the H200 (docs/benchmarks.md, "rows a thread")."""
         def leaves(rows: int, minimum: int) -> bool:  # rows a thread leave at least `minimum` workgroups
             columns = MATMUL_ROWS * rows // (2 if self.swiglu else 1)
             width = self.out_features // 2 if self.swiglu else self.out_features

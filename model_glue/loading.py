@@ -175,8 +175,8 @@ class _Loader:
 
 async def warm_up(model: LlamaModel) -> None:
     """Run a prompt of dummy ids and a few decode steps, then forget them: the prefill and decode
-    passes are bound and the decode passes recorded before the first real prompt (binding a
-    prefill pass cost ~35 ms of the first reply's TTFT in Chromium on an H200). The scratch
+    passes are bound and the decode passes recorded before the first real prompt (binding a pass
+    would otherwise land in the first reply's time to first token). The scratch
     buffers are sized for a whole prefill chunk first, so no later prompt reallocates them (which
     drops every bound pass). The prompt ends 3 tokens short of the switch, and the steps go on to
     the first context past it that times attention (RunOptions.time_attention_every): so both nests

@@ -117,6 +117,96 @@ def family_kernel_sets(library, shape, dtype: str, device) -> tuple[dict[str, tu
     return sets, resolve_attention_kernels(library, shape, dtype, device)
 
 
+async def _configs(library, sets: dict, served, choice, splits: list[int]) -> list:
+    """Every configuration a row times, as (label, kernels, S): tiled, each kernel set whole and at
+    each S, and the runtime's own choice (`choice`, by its build's name) where --splits lacks its S."""
+    merge = await library.kernel(served.merge)
+    configs = [("tiled", await library.kernel(served.tiled), 1)]
+    for label, (whole, split) in sets.items():
+        configs.append((label, await library.kernel(whole), 1))
+        configs += [(label, (await library.kernel(split), merge), n) for n in splits if n > 1]
+    auto_label = served.layouts[choice.layout].build
+    if not any(label == auto_label and n == choice.num_splits for label, _, n in configs):
+        whole, split = sets[auto_label]
+        configs.append((auto_label, (await library.kernel(split), merge) if choice.split
+                        else await library.kernel(whole), choice.num_splits))
+    return configs
+
+
+async def _check_then_time(device, library, configs, inputs, ref_out, dtype, args) -> tuple[dict, str, list]:
+    """Each configuration checked against the float64 reference first (readbacks leave the GPU idle),
+    then every right one timed back to back on ramped-up clocks: ({"label:S": seconds or None (wrong)},
+    the timing method, the wrong ones)."""
+    calls, wrong, good = {}, [], []
+    for label, kernels, splits in configs:
+        key = (label, splits > 1)
+        if key not in calls:
+            calls[key] = DecodeCall(device, kernels, inputs)
+        if splits > 1:
+            calls[key].set_splits(splits)
+        out, _ = await calls[key].run()
+        error = relative_l2(out, ref_out)
+        if error <= TOLERANCE[dtype]:
+            good.append((label, splits))
+        else:
+            wrong.append(f"{label}:{splits} (rel L2 {error:.2e})")
+    await ramp_clocks(device, library)
+    sweep, method = {}, "?"
+    for label, splits in good:
+        call = calls[label, splits > 1]
+        if splits > 1:
+            call.set_splits(splits)
+        sweep[f"{label}:{splits}"], method = await time_dispatches(device, call.dispatch, args.iters, args.timing)
+    for label, _, splits in configs:
+        sweep.setdefault(f"{label}:{splits}", None)  # wrong: not timed
+    for call in calls.values():
+        call.release()
+    return sweep, method, wrong
+
+
+def _row(shape, context, dtype, method, sweep, wrong, choice, auto_label, kv_bytes, stream_gbps) -> dict:
+    def us(seconds):
+        return None if seconds is None else round(seconds * 1e6, 2)
+
+    def ratio(a, b):
+        return None if a is None or b is None else round(a / b, 3)
+
+    sweep = dict(sweep)
+    t_tiled = sweep.pop("tiled:1")
+    timed_sweep = {k: v for k, v in sweep.items() if v is not None}
+    best = min(timed_sweep, key=timed_sweep.get) if timed_sweep else None
+    t_auto = sweep.get(f"{auto_label}:{choice.num_splits}")
+    return {
+        "head_dim": shape.head_dim, "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
+        "context": context, "dtype": dtype, "timing": method,
+        "tiled_us": us(t_tiled), "shards_us": us(sweep.get("shards:1")),
+        "best": best, "best_us": us(timed_sweep.get(best)),
+        "auto": str(choice), "auto_kernels": auto_label, "auto_splits": choice.num_splits,
+        "auto_us": us(t_auto), "tiled_over_auto": ratio(t_tiled, t_auto),
+        "shards_over_auto": ratio(sweep.get("shards:1"), t_auto),
+        "auto_gbps": None if t_auto is None else round(kv_bytes / t_auto / 1e9, 2),
+        "auto_of_stream": None if t_auto is None else round(kv_bytes / t_auto / 1e9 / stream_gbps, 4),
+        "tiled_gbps": None if t_tiled is None else round(kv_bytes / t_tiled / 1e9, 3),
+        "sweep_us": {k: us(v) for k, v in sweep.items()}, "wrong": wrong,
+    }
+
+
+def _print_row(row: dict, show_sweep: bool) -> None:
+    def show(value, width, digits=1):
+        return f"{'wrong' if value is None else f'{value:.{digits}f}':>{width}}"
+
+    best = f"{row['best']} {row['best_us']:.1f}" if row["best"] else "none"
+    print(f"{row['head_dim']:>4} {f'{row['num_kv_heads']}/{row['num_qo_heads']}':>9} {row['context']:>7} "
+          f"{show(row['tiled_us'], 9)} {show(row['shards_us'], 9)} {best:>22} {row['auto']:>16} "
+          f"{show(row['auto_us'], 8)} {show(row['tiled_over_auto'], 10, 2)} {show(row['auto_gbps'], 9)} "
+          f"{show(None if row['auto_of_stream'] is None else 100 * row['auto_of_stream'], 8)}%", flush=True)
+    if row["wrong"]:
+        print(f"      WRONG (not timed): {', '.join(row['wrong'])}", flush=True)
+    if show_sweep:
+        print("      sweep (us): " + "  ".join(f"{k} {'wrong' if v is None else f'{v:.1f}'}"
+                                              for k, v in row["sweep_us"].items()), flush=True)
+
+
 async def run_attention_bench(args) -> dict:
     device = await WgpuDevice.open()
     library = await KernelLibrary.from_folder(device, args.artifact)
@@ -136,87 +226,18 @@ async def run_attention_bench(args) -> dict:
         if shape.head_dim not in args.head_dims:
             continue
         sets, served = family_kernel_sets(library, shape, dtype, device)
-        merge = await library.kernel(served.merge)
         for context in args.contexts:
             inputs = random_paged_inputs(rng, [context], shape.num_kv_heads, shape.num_qo_heads, shape.head_dim)
             inputs.update(q=as_dtype(inputs["q"], dtype), pages=as_dtype(inputs["pages"], dtype))  # what the kernels read
             ref_out, _ = decode_attention_f64(inputs)
-            # Every configuration: (label, kernels, S). Each is checked against the reference first
-            # (readbacks leave the GPU idle), then all are timed back to back on ramped-up clocks.
-            configs = [("tiled", await library.kernel(served.tiled), 1)]
-            for label, (whole, split) in sets.items():
-                configs.append((label, await library.kernel(whole), 1))
-                configs += [(label, (await library.kernel(split), merge), n) for n in args.splits if n > 1]
             choice = pick_layout([context], shape, available=served.layouts, is_cpu=device.is_cpu)
-            auto_label = served.layouts[choice.layout].build  # what the runtime runs, by its build's name
-            if not any(label == auto_label and n == choice.num_splits for label, _, n in configs):  # an S outside --splits
-                whole, split = sets[auto_label]
-                configs.append((auto_label, (await library.kernel(split), merge) if choice.split
-                                else await library.kernel(whole), choice.num_splits))
-            calls, wrong, good = {}, [], []
-            for label, kernels, splits in configs:
-                key = (label, splits > 1)
-                if key not in calls:
-                    calls[key] = DecodeCall(device, kernels, inputs)
-                if splits > 1:
-                    calls[key].set_splits(splits)
-                out, _ = await calls[key].run()
-                error = relative_l2(out, ref_out)
-                if error <= TOLERANCE[dtype]:
-                    good.append((label, splits))
-                else:
-                    wrong.append(f"{label}:{splits} (rel L2 {error:.2e})")
-            await ramp_clocks(device, library)
-            sweep, method = {}, "?"
-            for label, splits in good:
-                call = calls[label, splits > 1]
-                if splits > 1:
-                    call.set_splits(splits)
-                sweep[f"{label}:{splits}"], method = await time_dispatches(device, call.dispatch, args.iters, args.timing)
-            for label, _, splits in configs:
-                sweep.setdefault(f"{label}:{splits}", None)  # wrong: not timed
-            for call in calls.values():
-                call.release()
-            t_tiled = sweep.pop("tiled:1")
-            timed_sweep = {k: v for k, v in sweep.items() if v is not None}
-            best = min(timed_sweep, key=timed_sweep.get) if timed_sweep else None
-            t_auto = sweep.get(f"{auto_label}:{choice.num_splits}")
+            configs = await _configs(library, sets, served, choice, args.splits)
+            sweep, method, wrong = await _check_then_time(device, library, configs, inputs, ref_out, dtype, args)
             kv_bytes = DecodeCall.kv_bytes_of(inputs, shape.head_dim, 2 if dtype == "float16" else 4)
-
-            def us(seconds):
-                return None if seconds is None else round(seconds * 1e6, 2)
-
-            def ratio(a, b):
-                return None if a is None or b is None else round(a / b, 3)
-
-            row = {
-                "head_dim": shape.head_dim, "num_kv_heads": shape.num_kv_heads, "num_qo_heads": shape.num_qo_heads,
-                "context": context, "dtype": dtype, "timing": method,
-                "tiled_us": us(t_tiled), "shards_us": us(sweep.get("shards:1")),
-                "best": best, "best_us": us(timed_sweep.get(best)),
-                "auto": str(choice), "auto_kernels": auto_label, "auto_splits": choice.num_splits,
-                "auto_us": us(t_auto), "tiled_over_auto": ratio(t_tiled, t_auto),
-                "shards_over_auto": ratio(sweep.get("shards:1"), t_auto),
-                "auto_gbps": None if t_auto is None else round(kv_bytes / t_auto / 1e9, 2),
-                "auto_of_stream": None if t_auto is None else round(kv_bytes / t_auto / 1e9 / stream_gbps, 4),
-                "tiled_gbps": None if t_tiled is None else round(kv_bytes / t_tiled / 1e9, 3),
-                "sweep_us": {k: us(v) for k, v in sweep.items()}, "wrong": wrong,
-            }
+            row = _row(shape, context, dtype, method, sweep, wrong, choice, served.layouts[choice.layout].build,
+                       kv_bytes, stream_gbps)
             rows.append(row)
-
-            def show(value, width, digits=1):
-                return f"{'wrong' if value is None else f'{value:.{digits}f}':>{width}}"
-
-            print(f"{shape.head_dim:>4} {f'{shape.num_kv_heads}/{shape.num_qo_heads}':>9} {context:>7} "
-                  f"{show(row['tiled_us'], 9)} {show(row['shards_us'], 9)} "
-                  f"{f'{best} {row['best_us']:.1f}' if best else 'none':>22} {str(choice):>16} {show(row['auto_us'], 8)} "
-                  f"{show(row['tiled_over_auto'], 10, 2)} {show(row['auto_gbps'], 9)} "
-                  f"{show(None if row['auto_of_stream'] is None else 100 * row['auto_of_stream'], 8)}%", flush=True)
-            if wrong:
-                print(f"      WRONG (not timed): {', '.join(wrong)}", flush=True)
-            if args.show_sweep:
-                print("      sweep (us): " + "  ".join(f"{k} {'wrong' if v is None else f'{v * 1e6:.1f}'}"
-                                                      for k, v in sweep.items()), flush=True)
+            _print_row(row, args.show_sweep)
     result = {"adapter": device.adapter_name, "is_cpu": device.is_cpu, "subgroup_min_size": device.subgroup_min_size,
               "subgroup_max_size": device.subgroup_max_size,
               "stream_gbps": round(stream_gbps, 1), "one_dispatch_us": round(floor[0] * 1e6, 2),

@@ -92,7 +92,7 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
             role["gb_s"] = role["bytes"] / (role["us"] * 1e-6) / 1e9 if role["us"] else None
             role["stream_us"] = role["bytes"] / (stream_gbps * 1e9) * 1e6
             role["floor_us"] = role["dispatches"] * floor * 1e6
-            # issue #25's bar for a role: within max(2x its bytes at streaming bandwidth, 1.5x its floor)
+            # the bar a role is held to: within max(2x its bytes at streaming bandwidth, 1.5x its floor)
             role["target_us"] = max(2 * role["stream_us"], 1.5 * role["floor_us"])
         results.append({"context": context, "step_context": step_context, "attention": str(choice), "roles": roles,
                         "profiled_sum_ms": sum(r["us"] for r in roles.values()) / 1e3,
