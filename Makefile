@@ -104,8 +104,8 @@ static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(CON
 	@echo "== kernels: TVMScript -> apache-tvm -> WGSL"
 	$(PY) -m app build
 
-# Kernels only the tests run (decode attention on a grid of shapes), never served.
-$(TEST_KERNELS): $(shell find kernels -name '*.py') $(CONTRACT) $(VENV)/.installed
+# Kernels only the tests run (decode attention on a grid of shapes), never served: tests/kernel_grid.py.
+$(TEST_KERNELS): $(shell find kernels -name '*.py') tests/kernel_grid.py $(CONTRACT) $(VENV)/.installed
 	@echo "== test kernels: TVMScript -> apache-tvm -> WGSL"
 	$(PY) -m app build --set tests
 

@@ -49,9 +49,10 @@ def add_build(sub) -> None:
 
 def run_build(args) -> int:
     from kernels.build import build_artifact
-    from kernels.catalog import all_recipes, sweep_recipes, test_recipes
+    from kernels.catalog import all_recipes, sweep_recipes
+    from tests.kernel_grid import grid_recipes
 
-    recipes, default_out = {"served": (all_recipes, KERNEL_ARTIFACT), "tests": (test_recipes, TEST_ARTIFACT),
+    recipes, default_out = {"served": (all_recipes, KERNEL_ARTIFACT), "tests": (grid_recipes, TEST_ARTIFACT),
                             "sweep": (lambda: all_recipes() + sweep_recipes(), SWEEP_ARTIFACT)}[args.set]
     build_artifact(args.out or default_out, jobs=args.jobs, recipes=recipes())
     return 0

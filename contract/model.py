@@ -135,7 +135,7 @@ def synthetic_config_name(name: str) -> str:
 
 
 # A tiny random-weight model for fast native tests, built by the same code paths. Its kernels are
-# in the tests' artifact only (kernels.catalog.test_recipes), never served.
+# in the tests' artifact only (tests/kernel_grid.py), never served.
 TEST_MODEL_CONFIGS = {
     "tiny_llama": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                               vocab_size=512, rope_theta=10000.0, rms_eps=1e-5),

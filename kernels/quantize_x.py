@@ -1,7 +1,7 @@
 """A decode matmul's x as int8 codes, for the q4 matmul's integer dot products (`dot4I8Packed`).
 
 x is cut into chunks of CHUNK (16) values: a q4 matmul lane's load of two packed words
-(kernels.decode_matmul: WORDS_PER_LOAD x 8 weights). Per chunk, with v = x (times the RMSNorm's weight
+(kernels.decode_matmul_common: WORDS_PER_LOAD x 8 weights). Per chunk, with v = x (times the RMSNorm's weight
 where `normed`):
 
     d = max|v| / 127          codes c = floor(0.5 + v / d)   (signed bytes, |c| <= 127)
@@ -32,7 +32,7 @@ from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
 
 THREADS = 256
 VEC = 4
-CHUNK = 16  # values of x per chunk: one q4 lane load (kernels.decode_matmul.WORDS_PER_LOAD words)
+CHUNK = 16  # values of x per chunk: one q4 lane load (kernels.decode_matmul_common.WORDS_PER_LOAD words)
 VECS = CHUNK // VEC  # threads per chunk
 WORDS_PER_CHUNK = CHUNK // 4  # the codes' u32 words (4 signed bytes each): even/odd of 2 q4 words
 CHUNKS_PER_GROUP = THREADS // VECS
@@ -43,7 +43,7 @@ BYTE = 0xFF
 def code_position(c: int) -> tuple[int, int]:
     """(word, byte) of value c of a chunk in its 4 words of codes: word 2u + h holds q4 word u's even
     (h = 0) or odd (h = 1) elements, in order. The kernel below packs by this rule four values a
-    thread; MatmulSpec.quantizes_y's epilogue (kernels.decode_matmul) packs by it one word a thread."""
+    thread; MatmulSpec.quantizes_y's epilogue (kernels.decode_matmul_int8) packs by it one word a thread."""
     return (c // 8) * 2 + c % 2, (c % 8) // 2
 
 

@@ -62,6 +62,67 @@ def _simulate_sliding_block(ctx_len, window, sink, page_size, chunks):
     return pages, L, sink_len, offset
 
 
+def _sequence_layouts(rng, context_lens, page_size, sliding_window) -> list[tuple]:
+    """Per sequence: (logical pages, each a list of token ids per slot (-1 = empty), stored length,
+    sink_len, sliding_window_offset), without a window the tokens in order, with one replayed through
+    TVM's reserve/slide bookkeeping (a prefill chunk, then single-token appends)."""
+    layouts = []
+    for n in context_lens:
+        n = int(n)
+        if sliding_window is None:
+            np_ = -(-n // page_size)
+            lp = [[t if t < n else -1 for t in range(i * page_size, (i + 1) * page_size)] for i in range(np_)]
+            layouts.append((lp, n, 0, 0))
+            continue
+        W, S = int(sliding_window["window"]), int(sliding_window.get("sink", 0))
+        if not 0 <= S < W:
+            raise ValueError("need 0 <= sink < window")
+        if n == 0:
+            layouts.append(([], 0, 0, 0))
+            continue
+        first = sliding_window.get("prefill")
+        first = int(rng.integers(1, n + 1)) if first is None else min(int(first), n)
+        chunks = [first] + [1] * (n - first)
+        layouts.append(_simulate_sliding_block(n, W, S, page_size, chunks))
+    return layouts
+
+
+def _attended_slots(kv_len, sink_len, offset):
+    """The block slot of each attended row: the sink's rows, then the rest from the window's offset."""
+    rows = np.arange(kv_len)
+    return np.where(rows < sink_len, rows, rows - sink_len + offset)
+
+
+def _page_table(layouts, phys, page_size) -> dict:
+    """The page table over physical pages `phys` (taken in order), each sequence's last page length,
+    window offset and sink, its stored length and the logical token of each attended row."""
+    B, n_used = len(layouts), sum(len(lp) for lp, *_ in layouts)
+    table = {"indptr": np.zeros(B + 1, dtype=np.int32), "values": np.zeros(n_used, dtype=np.int32),
+             "last_len": np.zeros(B, dtype=np.int32), "offsets": np.zeros(B, dtype=np.int32),
+             "sinks": np.zeros(B, dtype=np.int32), "kv_lens": [], "kept": []}
+    pos = 0
+    for b, (lp, L, sink_len, offset) in enumerate(layouts):
+        table["values"][pos:pos + len(lp)] = phys[pos:pos + len(lp)]
+        pos += len(lp)
+        table["indptr"][b + 1] = pos
+        # TVM: last_page_len = (L - sink + offset - 1) % page_size + 1, 0 for empty
+        table["last_len"][b] = 0 if L == 0 else (L - sink_len + offset - 1) % page_size + 1
+        table["offsets"][b], table["sinks"][b] = offset, sink_len
+        table["kv_lens"].append(L)
+        slots = _attended_slots(L, sink_len, offset)
+        table["kept"].append(np.array([lp[s // page_size][s % page_size] for s in slots], dtype=np.int64))
+    return table
+
+
+def _fill_unused_slots(pages, layouts, table, page_size, fill) -> None:
+    """Set every slot of `pages` that no sequence attends to `fill`, in place."""
+    used = np.zeros((pages.shape[0], page_size), dtype=bool)
+    for b, (_lp, L, sink_len, offset) in enumerate(layouts):
+        slots = _attended_slots(L, sink_len, offset)
+        used[table["values"][table["indptr"][b] + slots // page_size], slots % page_size] = True
+    pages[np.broadcast_to(~used[:, None, None, :, None], pages.shape)] = fill
+
+
 def make_paged_inputs(
     rng,
     context_lens,
@@ -103,77 +164,37 @@ def make_paged_inputs(
     B = len(context_lens)
     if num_qo_heads % num_kv_heads:
         raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
-    layouts = []  # per sequence: (logical pages, kv_len, sink_len, offset)
-    for b, n in enumerate(context_lens):
-        n = int(n)
-        if sliding_window is None:
-            np_ = -(-n // page_size)
-            lp = [[t if t < n else -1 for t in range(i * page_size, (i + 1) * page_size)] for i in range(np_)]
-            layouts.append((lp, n, 0, 0))
-        else:
-            W, S = int(sliding_window["window"]), int(sliding_window.get("sink", 0))
-            if not 0 <= S < W:
-                raise ValueError("need 0 <= sink < window")
-            if n == 0:
-                layouts.append(([], 0, 0, 0))
-                continue
-            first = sliding_window.get("prefill")
-            first = int(rng.integers(1, n + 1)) if first is None else min(int(first), n)
-            chunks = [first] + [1] * (n - first)
-            layouts.append(_simulate_sliding_block(n, W, S, page_size, chunks))
-
-    n_used = sum(len(lp) for lp, *_ in layouts)
-    num_pages = n_used + int(extra_pages)
+    layouts = _sequence_layouts(rng, context_lens, page_size, sliding_window)
+    num_pages = sum(len(lp) for lp, *_ in layouts) + int(extra_pages)
     phys = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
-    indptr = np.zeros(B + 1, dtype=np.int32)
-    values = np.zeros(n_used, dtype=np.int32)
-    last_len = np.zeros(B, dtype=np.int32)
-    offsets = np.zeros(B, dtype=np.int32)
-    sinks = np.zeros(B, dtype=np.int32)
-    kv_lens, kept = [], []
-    pos = 0
-    for b, (lp, L, sink_len, offset) in enumerate(layouts):
-        values[pos:pos + len(lp)] = phys[pos:pos + len(lp)]
-        pos += len(lp)
-        indptr[b + 1] = pos
-        # TVM: last_page_len = (L - sink + offset - 1) % page_size + 1, 0 for empty
-        last_len[b] = 0 if L == 0 else (L - sink_len + offset - 1) % page_size + 1
-        offsets[b], sinks[b] = offset, sink_len
-        kv_lens.append(L)
-        rows = np.arange(L)
-        slots = np.where(rows < sink_len, rows, rows - sink_len + offset)
-        kept.append(np.array([lp[s // page_size][s % page_size] for s in slots], dtype=np.int64))
+    table = _page_table(layouts, phys, page_size)
+    kv_lens = table["kv_lens"]
 
     D = head_dim
     q = rng.standard_normal((B, num_qo_heads, D)).astype(dtype)
     pages = rng.standard_normal((num_pages, 2, num_kv_heads, page_size, D)).astype(dtype)
     if fill_unused is not None:
-        used = np.zeros((num_pages, page_size), dtype=bool)
-        for b, (lp, L, sink_len, offset) in enumerate(layouts):
-            rows = np.arange(L)
-            slots = np.where(rows < sink_len, rows, rows - sink_len + offset)
-            used[values[indptr[b] + slots // page_size], slots % page_size] = True
-        pages[np.broadcast_to(~used[:, None, None, :, None], pages.shape)] = fill_unused
+        _fill_unused_slots(pages, layouts, table, page_size, fill_unused)
 
     koff = np.zeros(B, dtype=np.int32)
     if rope_offset_range:
         koff = rng.integers(0, int(rope_offset_range), size=B).astype(np.int32)
     if sliding_window is None:
         qpos = np.array([max(L - 1, 0) for L in kv_lens], dtype=np.int32) + koff
-        length_info = last_len
+        length_info = table["last_len"]
     else:
         qpos = np.array(kv_lens, dtype=np.int32) + koff
-        length_info = np.stack([last_len, offsets, sinks]).astype(np.int32)
+        length_info = np.stack([table["last_len"], table["offsets"], table["sinks"]]).astype(np.int32)
 
     return {
         "q": q,
         "pages": pages,
-        "page_table_indptr": indptr,
-        "page_table_values": values,
+        "page_table_indptr": table["indptr"],
+        "page_table_values": table["values"],
         "length_info": length_info,
         "context_lens": [int(n) for n in context_lens],
         "kv_lens": kv_lens,
-        "kept_tokens": kept,
+        "kept_tokens": table["kept"],
         "sliding_window": sliding_window is not None,
         "sm_scale": 1.0 / math.sqrt(D),
         "q_rope_position": qpos,

@@ -75,9 +75,9 @@ def test_artifact_dir() -> Path:
     """The kernels only the tests run (`make test` builds them); built here if a run starts without."""
     if not (TEST_ARTIFACT / "manifest.json").exists():
         from kernels.build import build_artifact
-        from kernels.catalog import test_recipes
+        from kernel_grid import grid_recipes
 
-        build_artifact(TEST_ARTIFACT, recipes=test_recipes())
+        build_artifact(TEST_ARTIFACT, recipes=grid_recipes())
     return TEST_ARTIFACT
 
 

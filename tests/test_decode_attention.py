@@ -19,8 +19,8 @@ import pytest
 
 from app.bench.harness import DecodeCall
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2, sub_batch, wgsl_block
-from kernels.catalog import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, TEST_WINDOW_SHAPES,
-                             grid_shape, subgroup_builds_for_tests)
+from kernel_grid import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, TEST_WINDOW_SHAPES,
+                         grid_shape, subgroup_builds_for_tests)
 from kernels.decode_attention_sharded import layout_builds as shards_builds
 from kernels.paged_kv import MASKED_SCORE
 from model_glue.model.attention import context_length, split_workspace_bytes, tiled_defect
@@ -91,7 +91,7 @@ def skip_without_subgroups(gpu, kernel_set):
 
 
 def family_sets(shape: AttentionShape, layouts) -> list[str]:
-    """The kernel sets the test artifact has for a shape built with `layouts` (kernels.catalog)."""
+    """The kernel sets the test artifact has for a shape built with `layouts` (tests/kernel_grid.py)."""
     builds = [f"subgroup-{subgroup_tag(*build)}" for build in subgroup_builds_for_tests(shape)]
     return [v for v in FAMILY_SETS if v.partition("-")[0] in layouts and (not v.startswith("subgroup") or v in builds)
             and (v != "shards_group" or shards_builds("shards_group", shape))]

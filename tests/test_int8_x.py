@@ -14,8 +14,8 @@ import pytest
 from attention_reference import relative_l2
 from contract.kernels import QUANTIZED_X
 from convert.weights import dequant_q4
-from kernels.catalog import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_QUANTIZERS, TEST_QUANTIZING_MATMUL,
-                             prefill_matmul_test_name, test_matmul_spec as matmul_spec_of)
+from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_QUANTIZERS, TEST_QUANTIZING_MATMUL,
+                         grid_matmul_name, grid_matmul_spec)
 from kernels.quantize_x import CHUNK, CODE_MAX
 from test_prefill_kernels import NP_DTYPE, random_q4, skip_without_f16
 
@@ -134,8 +134,8 @@ def test_int8_x_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     if not (gpu.subgroup_min_size and LANES <= gpu.subgroup_min_size):
         pytest.skip(f"{gpu.adapter_name}'s subgroups ({gpu.subgroup_min_size or 'none'}) hold no run of {LANES} lanes")
     out_features, in_features, residual, norm, swiglu = TEST_DECODE_MATMULS[flags]
-    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype, LANES, int8_x=True)))
-    spec = matmul_spec_of(flags, dtype, LANES, int8_x=True)
+    kernel = loop.run_until_complete(test_library.kernel(grid_matmul_name(flags, dtype, LANES, int8_x=True)))
+    spec = grid_matmul_spec(flags, dtype, LANES, int8_x=True)
     assert set(QUANTIZED_X) <= set(kernel.buffer_names) and "x" not in kernel.buffer_names
     rng = np.random.default_rng(len(flags))
     words, scale, minv = random_q4(rng, out_features, in_features)
@@ -181,8 +181,8 @@ def test_a_matmul_quantizing_y_writes_what_the_quantizer_would(loop, gpu, test_l
     flags = TEST_QUANTIZING_MATMUL
     out_features, in_features, _, _, _ = TEST_DECODE_MATMULS[flags]
     columns = out_features // 2
-    spec = matmul_spec_of(flags, dtype, LANES, int8_x=True, quantizes_y=True)
-    kernel = loop.run_until_complete(test_library.kernel(prefill_matmul_test_name(flags, dtype, LANES, True, True)))
+    spec = grid_matmul_spec(flags, dtype, LANES, int8_x=True, quantizes_y=True)
+    kernel = loop.run_until_complete(test_library.kernel(grid_matmul_name(flags, dtype, LANES, True, True)))
     rng = np.random.default_rng(5)
     words, scale, minv = random_q4(rng, out_features, in_features)
     for n in (1, 2):

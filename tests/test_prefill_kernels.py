@@ -2,7 +2,7 @@
 128- and 32-token tiles), each also in its subgroup-matrix build with the builtins emulated
 (tests/matrix_emulation.py).
 
-Kernels come from the test artifact (kernels.catalog: TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS).
+Kernels come from the test artifact (tests/kernel_grid.py: TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS).
 f16 outputs must be within 2e-5 of their own floor (the f64 result rounded to f16) or 2.5e-4 relative
 L2, f32 outputs within 1e-5; the matrix attention's within 1.5e-4 of the floor (its P is f16).
 """
@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from convert.weights import dequant_q4, pack_q4
-from kernels.catalog import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION,
-                             TEST_PREFILL_MATMULS, TEST_PREFILL_TILES, prefill_matmul_test_name,
-                             test_matmul_spec as matmul_spec_of)
+from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS,
+                         TEST_PREFILL_TILES, grid_matmul_name, grid_matmul_spec)
 from model_glue.gpu.kernel import Kernel, evaluate
 from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from matrix_emulation import emulated
@@ -178,11 +177,11 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
                     f"{subgroup_lanes} lanes")
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
-    name = prefill_matmul_test_name(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
+    name = grid_matmul_name(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
     kernel = matrix_kernel(loop, gpu, test_library, test_artifact_dir, name) if matrix else \
         loop.run_until_complete(test_library.kernel(name))
     # out_features and eps are the kernel's runtime values
-    spec = matmul_spec_of(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
+    spec = grid_matmul_spec(flags, dtype, subgroup_lanes, token_tile=token_tile, matrix=matrix)
     if decode:
         rows_per_thread = {"paired": 2, "quad": 4}.get(flags.split("_")[0], 1)
         columns = out_features // 2 if swiglu else out_features

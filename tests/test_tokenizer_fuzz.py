@@ -410,7 +410,7 @@ def test_fuzz_ids_match_hf_in_chromium(browser, server, strings):
           f"({elapsed:.2f} s with fetch, parse and transfer)")
 
     # The page runs the wheel `make` built; an older wheel would test older code.
-    source = (ROOT / "model_glue" / "tokenizer.py").read_bytes()
+    source = (ROOT / "model_glue" / "formats" / "tokenizer.py").read_bytes()
     assert out["source_sha256"] == hashlib.sha256(source).hexdigest(), \
         "static/pyodide's wheel holds an older model_glue/formats/tokenizer.py: rebuild it (`make`)"
     results = out["results"]
