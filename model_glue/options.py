@@ -10,6 +10,7 @@ means "this adapter's default" (`resolved`, by model_glue.policy.option_defaults
 from __future__ import annotations
 
 import json
+from functools import cache
 from dataclasses import asdict, dataclass, fields, replace
 
 from contract.attention import NEST_CHOICES, LayoutChoice
@@ -165,6 +166,7 @@ OPTION_KINDS = {"bool | None": "auto-on-off", "bool": "on-off", "int | None": "c
 TRUE_WORDS, FALSE_WORDS = ("on", "true", "1"), ("off", "false", "0")
 
 
+@cache  # read for every field of every request; the fields never change
 def option_kinds() -> dict[str, str]:
     """Field name -> its kind ("auto-on-off", "on-off", "count" or "text")."""
     return {f.name: OPTION_KINDS[f.type] for f in fields(RunOptions)}

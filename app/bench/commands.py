@@ -136,8 +136,8 @@ def add_page(sub) -> None:
     page.add_argument("--model", default="smollm2", type=_page_model,
                       help="smollm2, tiny_chat or synthetic:SHAPE (e.g. synthetic:llama-3.2-1b: random weights "
                            "filled on the GPU)")
-    # NVIDIA's f16 flag is chat.page.NVIDIA_F16_FLAG (not imported here: `app build` needs no run side;
-    # tests/test_page_boundary.py checks this help names it).
+    # NVIDIA's f16 flag is chat.page.NVIDIA_F16_FLAG (not imported here: the parsers load no page or WebGPU
+    # module; tests/test_page_boundary.py checks this help names it).
     f16_flag = "--enable-dawn-features=vulkan_enable_f16_on_nvidia"
     page.add_argument("--gpu", action="store_true",
                       help="Chromium on the machine's GPU: " + " ".join(GPU_FLAGS) + f", and NVIDIA's f16 flag "
