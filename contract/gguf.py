@@ -1,12 +1,15 @@
 """What the runtime knows of GGUF (llama.cpp's model file): the tensor types it reads and how each
-reaches the runtime's two weight formats (contract.model: Q4, 4-bit codes with an f32 scale and min per
-32 weights; Q8, signed bytes with an f32 scale per 32).
+reaches the runtime's weight formats (contract.model: Q4, 4-bit codes with an f32 scale and min per
+32 weights; Q8, signed bytes with an f32 scale per 32; Q8A, signed bytes with an f32 scale and min per
+16).
 
-A GGUF tensor's raw blocks are uploaded as they are and repacked on the GPU (kernels.gguf_repack):
-Q4_0, Q4_1 and Q4_K blocks map to Q4 exactly (their 4-bit codes are kept, a 32-weight block's scale
-and min are the file's, multiplied out in f32), Q8_0 to Q8 exactly; every other pair is a
-requantization (min/max per 32 weights for Q4, absolute max for Q8), whose accuracy cost the tests
-and the README state.
+A GGUF tensor's raw blocks are uploaded as they are and repacked on the GPU (kernels.gguf_repack).
+Every quantized type maps to Q8A exactly (its codes are kept, as bytes, and a block's scale and min
+are the file's, multiplied out in f32: exact, as a 6- or 8-bit scale times an f16 fits an f32), the
+4-bit ones to Q4 exactly too, Q8_0 to Q8. A layer matrix is Q4 where every layer's tensor of it is a
+4-bit type, the embedding (with the head) Q8 where it is Q8_0 or a float type, else each is Q8A
+(`wide_matrices`). Every other pair is a requantization (min/max per block for Q4 and Q8A, absolute
+max for Q8): only the float types take one.
 """
 
 from __future__ import annotations
@@ -44,10 +47,26 @@ GGML_TYPE_NAMES = {9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS",
                    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16",
                    26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0"}
 
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+QUANTIZED_TYPES = FOUR_BIT_TYPES + ("Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K")
 # (source type, runtime format) pairs whose repack keeps the file's values bit for bit.
-EXACT_REPACKS = {("Q4_0", "q4"), ("Q4_1", "q4"), ("Q4_K", "q4"), ("Q8_0", "q8")}
-REPACK_TARGETS = ("q4", "q8")
-REPACK_BUFFERS = {"q4": ("raw", "q4", "scale", "wmin"), "q8": ("raw", "q8", "scale")}
+EXACT_REPACKS = ({(t, "q4") for t in FOUR_BIT_TYPES} | {("Q8_0", "q8")} | {(t, "q8a") for t in QUANTIZED_TYPES})
+REPACK_TARGETS = ("q4", "q8", "q8a")
+REPACK_BUFFERS = {"q4": ("raw", "q4", "scale", "wmin"), "q8": ("raw", "q8", "scale"),
+                  "q8a": ("raw", "q8a", "scale", "wmin")}
+
+
+# The types a matrix keeps its own format for: a layer matrix Q4, the embedding (and head) Q8. The
+# float types are quantized at load either way; Q8A is the more faithful home for them in a layer.
+NARROW_TYPES = {"layer": set(FOUR_BIT_TYPES), "embed": {"Q8_0", "F32", "F16", "BF16"}}
+
+
+def wide_matrices(types_by_matrix: dict[str, set[str]]) -> tuple[str, ...]:
+    """The matrices stored as Q8A (contract.model.LlamaConfig.wide_matrices), from the GGUF types each
+    matrix's tensors have (over all layers; "embed": the embedding's and the head's): those with any
+    type outside NARROW_TYPES."""
+    return tuple(m for m, types in types_by_matrix.items()
+                 if not types <= NARROW_TYPES["embed" if m == "embed" else "layer"])
 
 
 def repack_kernel_name(source: str, target: str) -> str:

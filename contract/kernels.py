@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
 
-from contract.model import DTYPE_TAGS, AttentionShape, LlamaConfig
+from contract.model import DTYPE_TAGS, WEIGHT_FORMATS, AttentionShape, LlamaConfig, layer_matrices, matrix_format
 
 # -- paged KV cache and decode attention -------------------------------------------------------------
 PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
@@ -170,7 +170,7 @@ class RopeAppend:
 @dataclass(frozen=True)
 class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
-    scale), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
+    scale; "q8a": signed bytes, a scale and a min per 16: contract.model), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
     the SwiGLU after it (W holds the gate rows, then the up rows), a residual add (`resid`).
     Decode passes run kernels.decode_matmul.quantized_matmul (one token); prefill passes (`tiled`) run
     kernels.prefill_matmul (tiles of tokens x weight rows, q4 only).
@@ -219,14 +219,16 @@ class MatmulSpec:
         if self.subgroup_lanes is not None and (self.tiled or self.subgroup_lanes not in MATMUL_SUBGROUP_LANES):
             raise ValueError(f"subgroup_lanes is one of {MATMUL_SUBGROUP_LANES} for a decode matmul, "
                              f"not {self.subgroup_lanes}")
-        if self.int8_x and (self.tiled or self.weights != "q4" or self.split_head_dim is not None):
-            raise ValueError("int8_x is for a decode q4 matmul that reads x (the quantizer merges a split call)")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights is one of {WEIGHT_FORMATS}, not {self.weights}")
+        if self.int8_x and (self.tiled or self.weights == "q8" or self.split_head_dim is not None):
+            raise ValueError("int8_x is for a decode q4 or q8a matmul that reads x (the quantizer merges a split call)")
         if self.token_tile not in (PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS) or (
                 self.token_tile != PREFILL_TOKEN_TILE and not self.tiled):
             raise ValueError(f"token_tile is {PREFILL_TOKEN_TILE} or {SHORT_PREFILL_TOKENS} (a prefill matmul's), "
                              f"not {self.token_tile}")
-        if self.matrix and (not self.tiled or self.weights != "q4" or self.dtype != "float16"):
-            raise ValueError("matrix is for an f16 q4 prefill matmul (f16 fragments)")
+        if self.matrix and (not self.tiled or self.weights == "q8" or self.dtype != "float16"):
+            raise ValueError("matrix is for an f16 q4 or q8a prefill matmul (f16 fragments)")
         if self.quantizes_y and (self.tiled or self.columns_per_group != 16 or self.rope_append or self.argmax_partials):
             raise ValueError("quantizes_y is for a decode matmul whose workgroup writes one chunk of 16 columns of y")
 
@@ -241,7 +243,7 @@ class MatmulSpec:
         outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
         inputs = QUANTIZED_X if self.int8_x else SPLIT_WORKSPACE if self.split_head_dim else ("x",)
         norm = self.norm_eps is not None and not self.int8_x  # the quantizer applies the norm's weight
-        return inputs + ("norm",) * norm + ("w", "scale") + ("wmin",) * (self.weights == "q4") \
+        return inputs + ("norm",) * norm + ("w", "scale") + ("wmin",) * (self.weights != "q8") \
             + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials + QUANTIZED_Y * self.quantizes_y
 
     @property
@@ -460,14 +462,14 @@ def matmul_int8_x(specs: dict) -> bool:
 
 
 def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:
-    weights = {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
-               "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
+    weights = layer_matrices(c)
     tag = DTYPE_TAGS[dtype]
     head = head_spec(c, dtype)
+    embed = matrix_format(c, "embed")
     rope = rope_values(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling)
     roles = {
-        Role.EMBED: KernelRole("embedding_q8", (c.dim, dtype), ("ids", "q8", "scale", "out"), f"embed_q8_d{c.dim}_{tag}",
-                            {"vocab": c.vocab_size}),
+        Role.EMBED: KernelRole("embedding_q8", (c.dim, dtype, embed), ("ids", "w", "scale") + ("wmin",) * (embed == "q8a")
+                               + ("out",), f"embed_{embed}_d{c.dim}_{tag}", {"vocab": c.vocab_size}),
         Role.RMS_NORM: KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
                                {"eps": c.rms_eps}),
         Role.ROPE_APPEND: KernelRole("rope_and_append", (c.head_dim, dtype, c.rope_scaling is not None),
@@ -485,7 +487,7 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     }
     # GPUs' decode step: the qkv matmul with the norm folded in and RoPE + the K/V append as its epilogue
     roles[matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] = MatmulSpec(
-        *weights["qkv"], dtype, norm_eps=c.rms_eps,
+        *weights["qkv"], dtype, matrix_format(c, "qkv"), norm_eps=c.rms_eps,
         rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
     if o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
@@ -493,7 +495,7 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     for prefill in (False, True):
         for matmul, weight in LAYER_MATMULS.items():
             roles[matmul_role(matmul, prefill=prefill)] = MatmulSpec(
-                *weights[weight], dtype, residual=matmul.endswith("_residual"),
+                *weights[weight], dtype, matrix_format(c, weight), residual=matmul.endswith("_residual"),
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
                 tiled=prefill)
         if prefill:
@@ -528,10 +530,12 @@ def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
 
 def o_merge_spec(c: LlamaConfig, dtype: str) -> MatmulSpec:
     """The decode o-projection (+ residual) that merges a split attention call's partial states."""
-    return MatmulSpec(c.dim, c.n_heads * c.head_dim, dtype, residual=True, split_head_dim=c.head_dim)
+    return MatmulSpec(c.dim, c.n_heads * c.head_dim, dtype, matrix_format(c, "o"), residual=True,
+                      split_head_dim=c.head_dim)
 
 
 def head_spec(c: LlamaConfig, dtype: str, folded: bool = True) -> MatmulSpec:
-    """The head (the final RMSNorm folded in on GPUs): q8, f32 logits and the argmax's partials."""
-    return MatmulSpec(c.vocab_size, c.dim, dtype, "q8", norm_eps=c.rms_eps if folded else None, out_dtype="float32",
+    """The head (the final RMSNorm folded in on GPUs): q8 (q8a for a wide embedding), f32 logits and
+    the argmax's partials."""
+    return MatmulSpec(c.vocab_size, c.dim, dtype, matrix_format(c, "head"), norm_eps=c.rms_eps if folded else None, out_dtype="float32",
                       argmax_partials=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 DTYPES = ("float16", "float32")
 DTYPE_TAGS = {"float16": "f16", "float32": "f32"}
@@ -44,12 +44,16 @@ class LlamaConfig:
     # Llama 3.1+'s RoPE scaling ("llama3" in HF's config; a GGUF's rope_freqs tensor): (factor,
     # low_freq_factor, high_freq_factor, original_context_length); None for plain RoPE.
     rope_scaling: tuple[float, float, float, int] | None = None
+    # The matrices (names of `layer_matrices`, or "embed") stored as Q8A rather than Q4 (Q8 for the
+    # embedding): a GGUF whose blocks hold more than 4 bits keeps its own values (contract.gguf).
+    wide_matrices: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
         values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         if values.get("rope_scaling") is not None:  # JSON gives a list
             values["rope_scaling"] = tuple(values["rope_scaling"])
+        values["wide_matrices"] = tuple(values.get("wide_matrices", ()))
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -157,13 +161,25 @@ MODEL_SHAPES = [config.attention_shape for config in MODEL_CONFIGS.values()]
 
 # -- a model's tensors, as the artifact stores them and the runtime binds them -------------------------
 QUANT_BLOCK = 32  # weights per Q4_1 / Q8_0 block (one scale, and for Q4_1 one min)
+# Q8A: a signed byte a weight, an f32 scale and min per Q8A_BLOCK weights (value = code * scale + min).
+# 16, because Q6_K scales every 16 weights; the codes of each 16 are stored in the order
+# kernels.quantize_x gives x's codes (`q8a_code_position`), so an integer dot product reads both as they are.
+Q8A_BLOCK = 16
+WEIGHT_FORMATS = ("q4", "q8", "q8a")
+
+
+def q8a_code_position(c: int) -> tuple[int, int]:
+    """(word, byte) of weight c of a Q8A block in its 4 words: word 2u + h holds weights 8u + h,
+    8u + h + 2, 8u + h + 4, 8u + h + 6 (u, h in 0..1): x's code order for a q4 word pair's nibbles."""
+    return (c // 8) * 2 + c % 2, (c % 8) // 2
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """One weight tensor (convert/weights.py documents the packing). `role` says what it holds:
     "q4" (4-bit codes, 8 a u32 word), "q4_scale" / "q4_min" (a block's constants), "q8" (signed
-    bytes, 4 a word), "q8_scale", "norm" (an RMSNorm weight, f32)."""
+    bytes, 4 a word), "q8_scale", "q8a" (signed bytes, Q8A_BLOCK a block), "q8a_scale" / "q8a_min",
+    "norm" (an RMSNorm weight, f32)."""
 
     name: str
     dtype: str  # "uint32" or "float32"
@@ -178,30 +194,58 @@ class TensorSpec:
         return count
 
 
-def q4_matrices(c: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """(rows, columns) of each layer's fused Q4 matrix: rows are output features."""
+def layer_matrices(c: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(rows, columns) of each layer's fused matrix: rows are output features."""
     return {"qkv": (c.qkv_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
             "gate_up": (2 * c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
 
 
-def model_tensors(c: LlamaConfig) -> list[TensorSpec]:
-    """Every tensor of a model, in the artifact's file order: the Q8 embedding, each layer's norms and
-    Q4 matrices, the final norm, and the LM head's own Q8 matrix where it is not tied."""
-    def q8(name):
-        return [TensorSpec(f"{name}.q8", "uint32", (c.vocab_size, c.dim // 4), "q8"),
-                TensorSpec(f"{name}.scale", "float32", (c.vocab_size, c.dim // QUANT_BLOCK), "q8_scale")]
+def all_wide(c: LlamaConfig) -> LlamaConfig:
+    """`c` with every matrix Q8A: with `c` itself, its kernels cover every mix a GGUF may have."""
+    return replace(c, wide_matrices=(*layer_matrices(c), "embed"))
 
-    tensors = q8("embed")
+
+def matrix_format(c: LlamaConfig, matrix: str) -> str:
+    """The weight format of a layer matrix ("qkv", or a tensor's "layers.3.qkv") or of the embedding
+    ("embed"; the head's, "head", is the same)."""
+    matrix = matrix.rsplit(".", 1)[-1]
+    if matrix in ("embed", "head"):
+        return "q8a" if "embed" in c.wide_matrices else "q8"
+    return "q8a" if matrix in c.wide_matrices else "q4"
+
+
+def codes_tensor(c: LlamaConfig, name: str) -> str:
+    """The codes tensor of matrix `name` ("layers.3.down", "embed", "head"): `<name>.<its format>`."""
+    return f"{name}.{matrix_format(c, name)}"
+
+
+def matrix_tensors(name: str, fmt: str, rows: int, cols: int) -> list[TensorSpec]:
+    """The tensors of one quantized matrix `name` in format `fmt`: its codes, scales and (q4, q8a) mins."""
+    if fmt == "q4":
+        return [TensorSpec(f"{name}.q4", "uint32", (rows, cols // 8), "q4"),
+                TensorSpec(f"{name}.scale", "float32", (rows, cols // QUANT_BLOCK), "q4_scale"),
+                TensorSpec(f"{name}.min", "float32", (rows, cols // QUANT_BLOCK), "q4_min")]
+    if fmt == "q8":
+        return [TensorSpec(f"{name}.q8", "uint32", (rows, cols // 4), "q8"),
+                TensorSpec(f"{name}.scale", "float32", (rows, cols // QUANT_BLOCK), "q8_scale")]
+    return [TensorSpec(f"{name}.q8a", "uint32", (rows, cols // 4), "q8a"),
+            TensorSpec(f"{name}.scale", "float32", (rows, cols // Q8A_BLOCK), "q8a_scale"),
+            TensorSpec(f"{name}.min", "float32", (rows, cols // Q8A_BLOCK), "q8a_min")]
+
+
+def model_tensors(c: LlamaConfig) -> list[TensorSpec]:
+    """Every tensor of a model, in the artifact's file order: the embedding, each layer's norms and
+    matrices, the final norm, and the LM head's own matrix where it is not tied."""
+    embed = matrix_format(c, "embed")
+    tensors = matrix_tensors("embed", embed, c.vocab_size, c.dim)
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         tensors += [TensorSpec(f"{p}.attn_norm", "float32", (c.dim,), "norm"),
                     TensorSpec(f"{p}.ffn_norm", "float32", (c.dim,), "norm")]
-        for matrix, (rows, cols) in q4_matrices(c).items():
-            tensors += [TensorSpec(f"{p}.{matrix}.q4", "uint32", (rows, cols // 8), "q4"),
-                        TensorSpec(f"{p}.{matrix}.scale", "float32", (rows, cols // QUANT_BLOCK), "q4_scale"),
-                        TensorSpec(f"{p}.{matrix}.min", "float32", (rows, cols // QUANT_BLOCK), "q4_min")]
+        for matrix, (rows, cols) in layer_matrices(c).items():
+            tensors += matrix_tensors(f"{p}.{matrix}", matrix_format(c, matrix), rows, cols)
     tensors.append(TensorSpec("final_norm", "float32", (c.dim,), "norm"))
-    return tensors + ([] if c.tied_embeddings else q8("head"))
+    return tensors + ([] if c.tied_embeddings else matrix_tensors("head", embed, c.vocab_size, c.dim))
 
 
 def head_tensor(c: LlamaConfig) -> str:

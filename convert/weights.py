@@ -11,6 +11,9 @@ nothing the browser loads imports it. The GPU kernels read the artifact's packin
 * a Q4 matrix `W[out, in]` -> `<name>.q4` uint32 `[out, in/8]` (element 8w+k in bits 4k..4k+3 of
   word w), `<name>.scale` float32 `[out, in/32]` (block d) and `<name>.min` float32
   `[out, in/32]` (block m); value = scale * code + min. The 4-bit codes are kept bit-exact.
+* a Q8A matrix (a GGUF's 5- to 8-bit layer matrices) -> `<name>.q8a` uint32 `[out, in/4]` (signed bytes;
+  weight c of each 16 at contract.model.q8a_code_position(c) of its 4 words), `<name>.scale` and
+  `<name>.min` float32 `[out, in/16]`; value = scale * code + min.
 * the Q8 embedding -> `embed.q8` uint32 `[vocab, dim/4]` (element 4w+k in byte k of word w, int8)
   and `embed.scale` float32 `[vocab, dim/32]`; it doubles as the LM head (tied embeddings; else `head.q8`, `head.scale`).
 * Norm vectors as float32.
@@ -36,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
-from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig
+from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, q8a_code_position
 
 ALIGN = 256
 QBLOCK = 32  # elements per Q4 / Q8 block
@@ -78,6 +81,39 @@ def unpack_q8(words: np.ndarray) -> np.ndarray:
     """Inverse of `pack_q8`: uint32 [rows, cols/4] -> int8 codes [rows, cols]."""
     rows, nw = words.shape
     return np.ascontiguousarray(words.astype("<u4")).view(np.int8).reshape(rows, nw * 4)
+
+
+def q8a_word_order() -> np.ndarray:
+    """The weight (of its block of Q8A_BLOCK) at each byte of a Q8A block's 4 words, in memory order."""
+    order = np.zeros(Q8A_BLOCK, np.int64)
+    for c in range(Q8A_BLOCK):
+        word, byte = q8a_code_position(c)
+        order[4 * word + byte] = c
+    return order
+
+
+def pack_q8a(codes: np.ndarray) -> np.ndarray:
+    """int8 codes [rows, cols] -> uint32 [rows, cols/4] in the Q8A byte order."""
+    rows, cols = codes.shape
+    blocks = codes.astype(np.int8).reshape(rows, cols // Q8A_BLOCK, Q8A_BLOCK)[:, :, q8a_word_order()]
+    return np.ascontiguousarray(blocks.reshape(rows, cols)).view("<u4").astype(np.uint32)
+
+
+def unpack_q8a(words: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_q8a`: uint32 [rows, cols/4] -> int8 codes [rows, cols] in weight order."""
+    stored = unpack_q8(words)
+    rows, cols = stored.shape
+    codes = np.empty_like(stored).reshape(rows, cols // Q8A_BLOCK, Q8A_BLOCK)
+    codes[:, :, q8a_word_order()] = stored.reshape(rows, cols // Q8A_BLOCK, Q8A_BLOCK)
+    return codes.reshape(rows, cols)
+
+
+def dequant_q8a(words: np.ndarray, scale: np.ndarray, minv: np.ndarray) -> np.ndarray:
+    """Our Q8A packing -> dense float32 [rows, cols]: code * scale + min per 16, in float32."""
+    codes = unpack_q8a(words).astype(np.float32)
+    rows, cols = codes.shape
+    q = codes.reshape(rows, cols // Q8A_BLOCK, Q8A_BLOCK)
+    return ((scale[:, :, None] * q) + minv[:, :, None]).reshape(rows, cols)
 
 
 def dequant_q4(words: np.ndarray, scale: np.ndarray, minv: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PR
 from contract.kernels import (MATRIX_FRAGMENT, SERVED_MATMUL_SUBGROUP_LANES, TILED_WORKGROUP_STORAGE_BYTES,
                               WORKGROUP_STORAGE_BYTES, AttentionSpec, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
-                            AttentionShape, LlamaConfig)
+                            AttentionShape, LlamaConfig, all_wide)
 from kernels import decode_matmul, layer_ops, sampling
 from kernels.decode_attention_merge import decode_attention_merge
 from kernels.decode_attention_tiled import decode_attention_tiled
@@ -202,13 +202,15 @@ def all_recipes() -> list[KernelRecipe]:
         for dtype in DTYPES:
             recipes += attention_recipes(shape, dtype)
             recipes += prefill_attention_recipes(shape, dtype)
-    for name, config in MODEL_CONFIGS.items():
+    for name, config in MODEL_CONFIGS.items():  # each also with Q8A matrices (a GGUF wider than 4 bits)
         for dtype in DTYPES:
-            recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
+            for weights in (config, all_wide(config)):
+                recipes += llama_recipes(weights, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
     served_shapes = set(BENCH_SHAPES + MODEL_SHAPES)
     for name, config in SYNTHETIC_CONFIGS.items():
         for dtype in SYNTHETIC_DTYPES:
-            recipes += llama_recipes(config, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
+            for weights in (config, all_wide(config)):
+                recipes += llama_recipes(weights, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
             if config.attention_shape not in served_shapes:  # Llama 3's 1B and 8B shapes are benchmark shapes
                 recipes += attention_recipes(config.attention_shape, dtype)
                 recipes += prefill_attention_recipes(config.attention_shape, dtype)

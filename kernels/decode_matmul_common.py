@@ -4,7 +4,7 @@ total. kernels.decode_matmul picks the variant; each is one TVMScript kernel bui
 
 Every variant runs one nest: a workgroup of ROWS (8) x LANES (32) invocations computes
 MatmulSpec.columns_per_group columns of y for one token. Thread (r, lane) owns rows_per_thread weight
-rows (one load of x serves them all) and walks them a chunk (WORDS_PER_LOAD packed words) at a time,
+rows (one load of x serves them all) and walks them a chunk (words_per_load packed words) at a time,
 lane-strided so that neighbouring lanes read neighbouring chunks, TRIP_UNROLL chunks in flight. Each
 word is dequantized once and multiplied into the rows' partial dots; the LANES partials of a row meet
 in workgroup memory behind one barrier (a barrier-free one-row-per-invocation nest was no faster on
@@ -18,13 +18,16 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, MatmulSpec
+from contract.model import Q8A_BLOCK, q8a_code_position
 from kernels.llama_common import BLOCK, sign_extend_byte
 
 ROWS, LANES = MATMUL_ROWS, 32  # a workgroup: ROWS threads (threadIdx.y) of LANES lanes (threadIdx.x)
 TOKENS = 1  # tokens a workgroup: the decode step and the head run one (prefill: kernels.prefill_matmul)
 # The loads (fitted on the H200, docs/benchmarks.md): a lane reads two neighbouring packed words of a
-# row at once (a warp's load then spans 256 contiguous bytes) and has four such loads in flight.
+# row at once (a warp's load then spans 256 contiguous bytes) and has four such loads in flight. A q8a
+# lane reads four, so that a chunk is 16 weights in every format that meets x's int8 codes.
 WORDS_PER_LOAD = 2
+Q8A_WORDS_PER_LOAD = 4
 TRIP_UNROLL = 4
 LOW_NIBBLES = 0x0F0F0F0F  # int8_x: a q4 word's even elements, one a byte (the odd ones after a shift by 4)
 
@@ -36,7 +39,7 @@ class Geometry:
     in_features: int
     dtype: str
     out_dtype: str  # y's (the head writes f32 logits)
-    weights: str  # "q4" or "q8"
+    weights: str  # "q4", "q8" or "q8a" (contract.model)
     rows_per_thread: int
     columns_per_group: int  # y's columns a workgroup
     compiled_rows: int | None  # W's rows where compiled in (the SwiGLU's up rows' offset), else None
@@ -50,7 +53,7 @@ class Geometry:
         g = cls(spec.in_features, spec.dtype, spec.out_dtype or spec.dtype, spec.weights, spec.rows_per_thread,
                 spec.columns_per_group, spec.compiled_rows, spec.swiglu, spec.norm_eps is not None,
                 spec.subgroup_lanes or 1)
-        assert g.words % WORDS_PER_LOAD == 0 and BLOCK % g.chunk_values == 0  # a chunk within one block
+        assert g.words % g.words_per_load == 0 and g.block % g.chunk_values == 0  # a chunk within one block
         assert g.subgroup_lanes == 1 << g.shuffle_steps and LANES % g.subgroup_lanes == 0
         return g
 
@@ -59,16 +62,36 @@ class Geometry:
         return 8 if self.weights == "q4" else 4
 
     @property
+    def words_per_load(self) -> int:
+        return Q8A_WORDS_PER_LOAD if self.weights == "q8a" else WORDS_PER_LOAD
+
+    @property
+    def word_vector(self) -> str:  # the dtype of a lane's load of a row
+        return f"uint32x{self.words_per_load}"
+
+    @property
+    def block(self) -> int:  # weights a scale (and min)
+        return Q8A_BLOCK if self.weights == "q8a" else BLOCK
+
+    @property
+    def blocks(self) -> int:  # a row's scales
+        return self.in_features // self.block
+
+    @property
+    def has_min(self) -> bool:
+        return self.weights != "q8"
+
+    @property
     def words(self) -> int:  # a row's packed words
         return self.in_features // self.per_word
 
     @property
-    def chunks(self) -> int:  # a row's loads of WORDS_PER_LOAD neighbouring words
-        return self.words // WORDS_PER_LOAD
+    def chunks(self) -> int:  # a row's loads of words_per_load neighbouring words
+        return self.words // self.words_per_load
 
     @property
     def chunk_values(self) -> int:  # weights a chunk
-        return WORDS_PER_LOAD * self.per_word
+        return self.words_per_load * self.per_word
 
     @property
     def x_vecs(self) -> int:  # x's (and the norm's) 4-wide vectors a chunk
@@ -130,11 +153,16 @@ def word_of(word, p, u):
     return T.Shuffle([word[p]], [u])
 
 
-def weight_value(weights: str, word, k, s, m):
-    """Element k of a packed word, dequantized: q4 (q * s + m) or q8 (signed byte * s)."""
-    if weights == "q4":
-        return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15))) * s + m
-    return T.Cast("float32", sign_extend_byte(word, k)) * s
+def weight_value(g: Geometry, word, p, e, s, m):
+    """Weight e of row p's loaded chunk, dequantized: q4 (q * s + m), q8 (signed byte * s) or q8a
+    (signed byte * s + m, its bytes in x's code order: contract.model.q8a_code_position)."""
+    if g.weights == "q4":
+        nibbles = T.shift_right(word_of(word, p, e // 8), T.uint32(4 * (e % 8)))
+        return T.Cast("float32", T.bitwise_and(nibbles, T.uint32(15))) * s + m
+    if g.weights == "q8":
+        return T.Cast("float32", sign_extend_byte(word_of(word, p, e // 4), e % 4)) * s
+    u, b = q8a_code_position(e)
+    return T.Cast("float32", sign_extend_byte(word_of(word, p, u), b)) * s + m
 
 
 def x_value(g: Geometry, merged: bool, xv4, partial, wi, k):
@@ -144,9 +172,14 @@ def x_value(g: Geometry, merged: bool, xv4, partial, wi, k):
     return T.Shuffle([xv4[k // 4]], [k % 4])
 
 
-def int8_dot(word, p, xw):
-    """The chunk's dot of row p's q4 codes with x's int8 codes: four dot4I8Packed, each on a word's
-    even or odd nibbles (one mask, one shift) against the matching word of codes."""
+def int8_dot(g: Geometry, word, p, xw):
+    """The chunk's dot of row p's codes with x's int8 codes: four dot4I8Packed, each on a q4 word's
+    even or odd nibbles (one mask, one shift), or on a q8a word as it is, against the matching word of
+    x's codes (a q8a block's bytes are in their order)."""
+    if g.weights == "q8a":
+        terms = [T.call_pure_extern("int32", "dot4I8Packed", word_of(word, p, u), T.Shuffle([xw[0]], [u]))
+                 for u in range(Q8A_WORDS_PER_LOAD)]
+        return (terms[0] + terms[1]) + (terms[2] + terms[3])
     terms = []
     for u in range(WORDS_PER_LOAD):
         w_u = word_of(word, p, u)
@@ -166,11 +199,11 @@ def check_folds(spec: MatmulSpec, variant: str, **folds: bool) -> None:
 @T.macro
 def load_weight_chunk(g, w, scale, wmin, word, ws, wm, rb, r, wi, width):
     """word[p], ws[p], wm[p] = chunk wi of this thread's row p, and its block's scale and min."""
-    blk: T.let[T.int32] = wi * g.chunk_values // BLOCK
+    blk: T.let[T.int32] = wi * g.chunk_values // g.block
     for p in T.unroll(g.rows_per_thread):
         word[p] = w[g.weight_row(rb, r, p, width), wi]
         ws[p] = scale[g.weight_row(rb, r, p, width), blk]
-        wm[p] = T.if_then_else(g.weights == "q4", wmin[g.weight_row(rb, r, p, width), blk], T.float32(0))
+        wm[p] = T.if_then_else(g.has_min, wmin[g.weight_row(rb, r, p, width), blk], T.float32(0))
 
 
 @T.macro
@@ -190,7 +223,7 @@ def dot_float_chunk(g, x, norm, merged, xv4, nq, partial, word, ws, wm, acc, squ
                 nk: T.let[T.float32] = T.Shuffle([nq[e // 4]], [e % 4])
                 for p in T.unroll(g.rows_per_thread):
                     acc[p * TOKENS + j] = acc[p * TOKENS + j] + \
-                        weight_value(g.weights, word_of(word, p, e // g.per_word), e % g.per_word, ws[p], wm[p]) \
+                        weight_value(g, word, p, e, ws[p], wm[p]) \
                         * (xv * nk)
                 if g.normed:
                     if r == 0:  # every row reads the same x: one row sums it
@@ -206,7 +239,7 @@ def dot_int8_chunk(g, xq, xstats, xw, xst, word, ws, wm, acc, squares, r, tok0, 
         xw[0] = xq[tok0, wi]
         xst[0] = xstats[tok0, wi]
         for p in T.unroll(g.rows_per_thread):
-            acc[p] = acc[p] + ws[p] * (T.Shuffle([xst[0]], [0]) * T.Cast("float32", int8_dot(word, p, xw))) \
+            acc[p] = acc[p] + ws[p] * (T.Shuffle([xst[0]], [0]) * T.Cast("float32", int8_dot(g, word, p, xw))) \
                 + wm[p] * T.Shuffle([xst[0]], [1])
         if g.normed:
             if r == 0:

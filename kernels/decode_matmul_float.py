@@ -9,9 +9,8 @@ from tvm.script import tirx as T
 
 from contract.kernels import MatmulSpec
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
-from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, WORDS_PER_LOAD, Geometry, check_folds,
+from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, load_weight_chunk, reduce_lanes)
-from kernels.llama_common import BLOCK
 
 VEC = 4  # the split workspace's vectors: f32x4
 
@@ -34,8 +33,8 @@ def merge_x(g, head_dim, partial, partial_o, partial_stats, num_splits, tok0, r,
 
 
 def float_x_matmul(spec: MatmulSpec):
-    """y[n, out] = x[n, in] @ W^T (+ resid) with x in `dtype` (or merged: spec.split_head_dim), W q4
-    or q8; spec.norm_eps folds the RMSNorm before it, spec.swiglu the SwiGLU after it (W's gate rows,
+    """y[n, out] = x[n, in] @ W^T (+ resid) with x in `dtype` (or merged: spec.split_head_dim), W q4,
+    q8 or q8a; spec.norm_eps folds the RMSNorm before it, spec.swiglu the SwiGLU after it (W's gate rows,
     then its up rows: y[n, F] = silu(x @ Wg^T) * (x @ Wu^T))."""
     check_folds(spec, "float-x", int8_x=spec.int8_x, rope_append=spec.rope_append is not None,
                 argmax_partials=spec.argmax_partials, quantizes_y=spec.quantizes_y)
@@ -58,9 +57,9 @@ def float_x_matmul(spec: MatmulSpec):
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
         partial_stats = T.match_buffer(partial_stats_h, (n, MH, num_splits, 2), "float32")
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
-        w = T.match_buffer(w_h, (g.w_rows(out_features), g.chunks), f"uint32x{WORDS_PER_LOAD}")  # [out, words]
-        scale = T.match_buffer(scale_h, (g.w_rows(out_features), in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (g.w_rows(out_features), in_features // BLOCK), "float32")
+        w = T.match_buffer(w_h, (g.w_rows(out_features), g.chunks), g.word_vector)  # [out, words]
+        scale = T.match_buffer(scale_h, (g.w_rows(out_features), g.blocks), "float32")
+        wmin = T.match_buffer(min_h, (g.w_rows(out_features), g.blocks), "float32")
         resid = T.match_buffer(resid_h, (n, width_of(out_features)), out_dtype)
         y = T.match_buffer(y_h, (n, width_of(out_features)), out_dtype)
         for rb in T.thread_binding(width_of(out_features) // CPG, thread="blockIdx.x"):
@@ -77,7 +76,7 @@ def float_x_matmul(spec: MatmulSpec):
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' chunks, scales and mins at the current chunk
-                            word = T.sblock_alloc_buffer((g.rows_per_thread,), f"uint32x{WORDS_PER_LOAD}",
+                            word = T.sblock_alloc_buffer((g.rows_per_thread,), g.word_vector,
                                                          scope="local")
                             ws = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")

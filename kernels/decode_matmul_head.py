@@ -8,9 +8,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import MatmulSpec
-from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, WORDS_PER_LOAD, Geometry, check_folds,
+from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, load_weight_chunk, reduce_lanes)
-from kernels.llama_common import BLOCK
 
 NO_NUMBER = -3.0e38  # the search's start: a workgroup whose logits are all NaN reports index out_features
 
@@ -52,9 +51,9 @@ def head_matmul(spec: MatmulSpec):
         out_features = T.int32()  # the vocabulary
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
-        w = T.match_buffer(w_h, (out_features, g.chunks), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, words]
-        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")  # q4 only
+        w = T.match_buffer(w_h, (out_features, g.chunks), g.word_vector)  # same bytes as [out, words]
+        scale = T.match_buffer(scale_h, (out_features, g.blocks), "float32")
+        wmin = T.match_buffer(min_h, (out_features, g.blocks), "float32")  # q4 and q8a only
         y = T.match_buffer(y_h, (n, out_features), out_dtype)
         best = T.match_buffer(best_h, (out_features // CPG, 2), "float32")
         for rb in T.thread_binding(out_features // CPG, thread="blockIdx.x"):
@@ -71,7 +70,7 @@ def head_matmul(spec: MatmulSpec):
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' chunks, scales and mins at the current chunk
-                            word = T.sblock_alloc_buffer((g.rows_per_thread,), f"uint32x{WORDS_PER_LOAD}",
+                            word = T.sblock_alloc_buffer((g.rows_per_thread,), g.word_vector,
                                                          scope="local")
                             ws = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")

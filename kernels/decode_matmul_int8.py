@@ -1,4 +1,4 @@
-"""The decode matmul on int8 codes of x, writing y: the q4 dots as dot4I8Packed on x as kernels.quantize_x
+"""The decode matmul on int8 codes of x, writing y: the q4 or q8a dots as dot4I8Packed on x as kernels.quantize_x
 made it, with the RMSNorm's inv_rms, the SwiGLU and a residual folded in where asked, and optionally
 y's own codes for the next matmul (kernels.decode_matmul picks it; the parts: decode_matmul_common).
 """
@@ -8,9 +8,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import MatmulSpec
-from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, WORDS_PER_LOAD, Geometry, check_folds,
+from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_int8_chunk, load_weight_chunk, reduce_lanes)
-from kernels.llama_common import BLOCK
 from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
 
@@ -44,7 +43,7 @@ def quantize_y(g, column_best, total, code, yq, ystats, rb, r, lane, tok0, n):
 
 
 def int8_x_matmul(spec: MatmulSpec):
-    """y[n, out] = x[n, in] @ W^T (+ resid) with W q4 and x as int8 codes with per-chunk stats (xq,
+    """y[n, out] = x[n, in] @ W^T (+ resid) with W q4 or q8a and x as int8 codes with per-chunk stats (xq,
     xstats); spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer
     applied the norm's weight), spec.swiglu as in kernels.decode_matmul_float. With
     spec.quantizes_y (a workgroup's columns are one XQ_CHUNK of y) the epilogue also writes y's codes
@@ -53,7 +52,7 @@ def int8_x_matmul(spec: MatmulSpec):
                 rope_append=spec.rope_append is not None, argmax_partials=spec.argmax_partials)
     g = Geometry.of(spec)
     in_features, out_dtype, residual, quantizes_y = g.in_features, g.out_dtype, spec.residual, spec.quantizes_y
-    assert g.weights == "q4" and g.chunk_values == XQ_CHUNK  # a lane's chunk is one chunk of codes
+    assert g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK  # a lane's chunk is one chunk of codes
     assert not quantizes_y or g.columns_per_group == XQ_CHUNK
     CPG, width_of = g.columns_per_group, g.out_columns
 
@@ -65,9 +64,9 @@ def int8_x_matmul(spec: MatmulSpec):
         out_features = T.int32()  # W's rows (gate and up rows with swiglu)
         xq = T.match_buffer(xq_h, (n, g.chunks), "uint32x4")  # a chunk's codes (kernels.quantize_x)
         xstats = T.match_buffer(xstats_h, (n, g.chunks), "float32x4")  # and its d, d * sum c, sum x^2
-        w = T.match_buffer(w_h, (g.w_rows(out_features), g.chunks), f"uint32x{WORDS_PER_LOAD}")
-        scale = T.match_buffer(scale_h, (g.w_rows(out_features), in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (g.w_rows(out_features), in_features // BLOCK), "float32")
+        w = T.match_buffer(w_h, (g.w_rows(out_features), g.chunks), g.word_vector)
+        scale = T.match_buffer(scale_h, (g.w_rows(out_features), g.blocks), "float32")
+        wmin = T.match_buffer(min_h, (g.w_rows(out_features), g.blocks), "float32")
         resid = T.match_buffer(resid_h, (n, width_of(out_features)), out_dtype)
         y = T.match_buffer(y_h, (n, width_of(out_features)), out_dtype)
         yq = T.match_buffer(yq_h, (n, width_of(out_features) // 4), "uint32")  # quantizes_y: 4 words a chunk
@@ -86,7 +85,7 @@ def int8_x_matmul(spec: MatmulSpec):
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' chunks, scales and mins at the current chunk
-                            word = T.sblock_alloc_buffer((g.rows_per_thread,), f"uint32x{WORDS_PER_LOAD}",
+                            word = T.sblock_alloc_buffer((g.rows_per_thread,), g.word_vector,
                                                          scope="local")
                             ws = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")

@@ -8,11 +8,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE, MatmulSpec
-from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, WORDS_PER_LOAD, Geometry, check_folds,
+from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, dot_int8_chunk, load_weight_chunk,
                                           reduce_lanes)
 from kernels.layer_ops import rope_inv_freq
-from kernels.llama_common import BLOCK
 from kernels.quantize_x import CHUNK as XQ_CHUNK
 
 
@@ -44,7 +43,7 @@ def rope_append(head_dim, scaled, dtype, total, column, position, slot_index, pa
 
 
 def qkv_rope_matmul(spec: MatmulSpec):
-    """qkv = x[n, in] @ W^T (W q4 or q8, spec.norm_eps: the RMSNorm folded in), x in `dtype` or as
+    """qkv = x[n, in] @ W^T (W q4, q8 or q8a, spec.norm_eps: the RMSNorm folded in), x in `dtype` or as
     int8 codes (spec.int8_x), then each q and k column rotated with its pair's other column and
     q, k, v stored (spec.rope_append: head_dim and scaling compiled in, heads and base runtime values)."""
     check_folds(spec, "qkv", swiglu=spec.swiglu, residual=spec.residual,
@@ -52,7 +51,7 @@ def qkv_rope_matmul(spec: MatmulSpec):
                 quantizes_y=spec.quantizes_y)
     g = Geometry.of(spec)
     in_features, dtype, int8_x = g.in_features, g.dtype, spec.int8_x
-    assert not int8_x or (g.weights == "q4" and g.chunk_values == XQ_CHUNK)
+    assert not int8_x or (g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK)
     D = spec.rope_append.head_dim
     scaled = spec.rope_append.scaling is not None  # compiled in (contract.kernels.rope_tag)
     CPG = g.columns_per_group
@@ -72,9 +71,9 @@ def qkv_rope_matmul(spec: MatmulSpec):
         xq = T.match_buffer(xq_h, (n, g.chunks), "uint32x4")  # int8_x: a chunk's codes (kernels.quantize_x)
         xstats = T.match_buffer(xstats_h, (n, g.chunks), "float32x4")  # and its d, d * sum c, sum x^2
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")
-        w = T.match_buffer(w_h, (out_features, g.chunks), f"uint32x{WORDS_PER_LOAD}")  # same bytes as [out, words]
-        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
+        w = T.match_buffer(w_h, (out_features, g.chunks), g.word_vector)  # same bytes as [out, words]
+        scale = T.match_buffer(scale_h, (out_features, g.blocks), "float32")
+        wmin = T.match_buffer(min_h, (out_features, g.blocks), "float32")
         positions = T.match_buffer(positions_h, (n,), "int32")
         slots = T.match_buffer(slots_h, (n,), "int32")
         pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, PAGE_SIZE, D), dtype)
@@ -91,7 +90,7 @@ def qkv_rope_matmul(spec: MatmulSpec):
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' chunks, scales and mins at the current chunk
-                            word = T.sblock_alloc_buffer((g.rows_per_thread,), f"uint32x{WORDS_PER_LOAD}",
+                            word = T.sblock_alloc_buffer((g.rows_per_thread,), g.word_vector,
                                                          scope="local")
                             ws = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")

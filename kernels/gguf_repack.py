@@ -8,7 +8,13 @@ fused matrix (q, k and v rows in one `qkv`) is written part by part. contract.gg
 
 * to Q4 (`q4` words, 8 codes a word, element 8w+k in bits 4k..; `scale`, `wmin` per block):
   min/max per block, code = round((v - min) / scale), scale = (max - min) / 15;
-* to Q8 (`q8` words, 4 signed bytes a word; `scale` per block): scale = max|v| / 127.
+* to Q8 (`q8` words, 4 signed bytes a word; `scale` per block): scale = max|v| / 127;
+* to Q8A (`q8a` words, 4 signed bytes a word in contract.model.q8a_code_position's order; `scale`,
+  `wmin` per 16 weights): min/max per 16, code = round((v - min) / scale) - 128, scale = (max - min) / 255.
+
+Every quantized type reaches Q8A exactly (`_exact_q8a`): its codes as signed bytes (a Q5 code q as q,
+or q - 16 where the type is symmetric; Q6_K's as q - 32) and a 16-weight block's scale and min
+multiplied out in f32 from the file's f16s and 6- or 8-bit sub-block scales.
 
 Block layouts follow ggml-quants.c (block_q4_0 ... block_q6_K); each `_decode_*` below documents
 the one it reads. The grid is fixed and strides over the blocks, like kernels.random_fill, so any
@@ -20,6 +26,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.gguf import EXACT_REPACKS, GGML_TYPES
+from contract.model import Q8A_BLOCK
 
 THREADS = 256
 WORKGROUPS = 1024
@@ -27,6 +34,9 @@ STRIDE = THREADS * WORKGROUPS  # blocks one trip of the whole grid writes
 BLOCK = 32
 Q4_LEVELS = 15  # codes 0..15
 Q8_LEVELS = 127  # codes -127..127
+Q8A_LEVELS = 255  # codes -128..127
+Q8A_OFFSET = 128  # a requantized Q8A code is its level minus this
+HALVES = BLOCK // Q8A_BLOCK  # Q8A blocks a 32-weight block
 CONSTANTS = 3  # per-block constants a decoder keeps in registers (d, min, a high-bit word)
 
 
@@ -136,63 +146,83 @@ def _q5_high_bit(c, e):
     return T.bitwise_and(T.shift_right(T.reinterpret("uint32", c[2]), T.Cast("uint32", e)), T.uint32(1))
 
 
-def _decode_q5_0():
-    """block_q5_0: f16 d, u32 qh (bit j: weight j's fifth bit), 16 bytes of low nibbles as q4_0; v = (q - 16) d."""
-    return (lambda raw, base, sub: [_half(raw, base), T.float32(0), T.reinterpret("float32", _u32_at(raw, base + 2))],
-            lambda raw, base, sub, e, c: T.Cast("float32", T.Cast("int32", T.bitwise_or(
-                _low_or_high_nibble(raw, base + 6 + T.truncmod(e, 16), e >= 16),
-                T.shift_left(_q5_high_bit(c, e), T.uint32(4)))) - 16) * c[0])
+def _q5_0_code(raw, base, sub, e, c):
+    """block_q5_0: f16 d, u32 qh (bit j: weight j's fifth bit, kept in c[2]), 16 bytes of low nibbles as
+    q4_0; v = (q - 16) d. The code: q - 16."""
+    return T.Cast("int32", T.bitwise_or(_low_or_high_nibble(raw, base + 6 + T.truncmod(e, 16), e >= 16),
+                                        T.shift_left(_q5_high_bit(c, e), T.uint32(4)))) - 16
 
 
-def _decode_q5_1():
-    """block_q5_1: f16 d, f16 m, u32 qh, 16 bytes of low nibbles; v = q d + m."""
-    return (lambda raw, base, sub: [_half(raw, base), _half(raw, base + 2), T.reinterpret("float32", _u32_at(raw, base + 4))],
-            lambda raw, base, sub, e, c: T.Cast("float32", T.bitwise_or(
-                _low_or_high_nibble(raw, base + 8 + T.truncmod(e, 16), e >= 16),
-                T.shift_left(_q5_high_bit(c, e), T.uint32(4)))) * c[0] + c[1])
+def _q5_1_code(raw, base, sub, e, c):
+    """block_q5_1: f16 d, f16 m, u32 qh, 16 bytes of low nibbles; v = q d + m. The code: q."""
+    return T.Cast("int32", T.bitwise_or(_low_or_high_nibble(raw, base + 8 + T.truncmod(e, 16), e >= 16),
+                                        T.shift_left(_q5_high_bit(c, e), T.uint32(4))))
 
 
-def _decode_q8_0():
+def _q8_0_code(raw, base, sub, e, c):
     """block_q8_0: f16 d, 32 signed bytes; v = q d."""
-    return (lambda raw, base, sub: [_half(raw, base)],
-            lambda raw, base, sub, e, c: T.Cast("float32", _int8(raw, base + 2 + e)) * c[0])
+    return _int8(raw, base + 2 + e)
 
 
-def _decode_q5_k():
+def _q5_k_code(raw, base, sub, e, c):
     """block_q5_K: f16 d, f16 dmin, 12 bytes of scales/mins as q4_K, 32 bytes qh (bit `sub` of byte e:
     the fifth bit of weight e of sub-block sub), 128 bytes of low nibbles as q4_K; v = d sc q - dmin m."""
-    def constants(raw, base, sub):
-        return [_half(raw, base) * _k_scale_min(raw, base + 4, sub, 0),
-                -(_half(raw, base + 2) * _k_scale_min(raw, base + 4, sub, 1))]
-
-    def value(raw, base, sub, e, c):
-        low = _low_or_high_nibble(raw, base + 48 + 32 * T.shift_right(sub, 1) + e, T.bitwise_and(sub, 1) == 1)
-        high = T.bitwise_and(T.shift_right(_byte(raw, base + 16 + e), T.Cast("uint32", sub)), T.uint32(1))
-        return T.Cast("float32", T.bitwise_or(low, T.shift_left(high, T.uint32(4)))) * c[0] + c[1]
-
-    return constants, value
+    low = _low_or_high_nibble(raw, base + 48 + 32 * T.shift_right(sub, 1) + e, T.bitwise_and(sub, 1) == 1)
+    high = T.bitwise_and(T.shift_right(_byte(raw, base + 16 + e), T.Cast("uint32", sub)), T.uint32(1))
+    return T.Cast("int32", T.bitwise_or(low, T.shift_left(high, T.uint32(4))))
 
 
-def _decode_q6_k():
+def _q6_k_code(raw, base, sub, e, c):
     """block_q6_K (256 weights): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one per
     16 weights), f16 d. Sub-block sub = 4h + q (half h of 128 weights, quarter q): weight e reads the low
-    (q < 2) or high nibble of ql[64h + e + 32 (q odd)], bits 2q..2q+1 of qh[32h + e], scale
-    [8h + e/16 + 2q]; v = d scale (q6 - 32)."""
-    def value(raw, base, sub, e, c):
-        half, quarter = T.shift_right(sub, 2), T.bitwise_and(sub, 3)
-        low = _low_or_high_nibble(raw, base + 64 * half + e + 32 * T.bitwise_and(quarter, 1), quarter >= 2)
-        high = T.bitwise_and(T.shift_right(_byte(raw, base + 128 + 32 * half + e), T.Cast("uint32", 2 * quarter)),
-                             T.uint32(3))
-        q6 = T.Cast("int32", T.bitwise_or(low, T.shift_left(high, T.uint32(4)))) - 32
-        scale = _int8(raw, base + 192 + 8 * half + T.shift_right(e, 4) + 2 * quarter)
-        return c[0] * T.Cast("float32", scale * q6)
+    (q < 2) or high nibble of ql[64h + e + 32 (q odd)], bits 2q..2q+1 of qh[32h + e]; v = d scale (q6 - 32)
+    with the scale of `_q6_k_scale`. The code: q6 - 32."""
+    half, quarter = T.shift_right(sub, 2), T.bitwise_and(sub, 3)
+    low = _low_or_high_nibble(raw, base + 64 * half + e + 32 * T.bitwise_and(quarter, 1), quarter >= 2)
+    high = T.bitwise_and(T.shift_right(_byte(raw, base + 128 + 32 * half + e), T.Cast("uint32", 2 * quarter)),
+                         T.uint32(3))
+    return T.Cast("int32", T.bitwise_or(low, T.shift_left(high, T.uint32(4)))) - 32
 
-    return lambda raw, base, sub: [_half(raw, base + 208)], value
+
+def _q6_k_scale(raw, base, sub, e16):
+    """Q6_K's int8 scale of the 16 weights from e16 (0 or 16) of sub-block sub: scales[8h + e16/16 + 2q]."""
+    return _int8(raw, base + 192 + 8 * T.shift_right(sub, 2) + T.shift_right(e16, 4) + 2 * T.bitwise_and(sub, 3))
+
+
+def _k_constants(raw, base, sub):  # Q4_K and Q5_K: a sub-block's d * sc and -(dmin * m)
+    return [_half(raw, base) * _k_scale_min(raw, base + 4, sub, 0),
+            -(_half(raw, base + 2) * _k_scale_min(raw, base + 4, sub, 1))]
+
+
+# source -> (constants(raw, base, sub) [scale, min, qh bits], code(raw, base, sub, e, c) -> int32): v = code
+# scale + min for every type but Q6_K, whose scale is d times a scale per 16 weights (`_q6_k_scale`).
+EXACT_CODES = {
+    "Q4_0": (EXACT_Q4["Q4_0"][1], lambda raw, base, sub, e, c: T.Cast("int32", _q4_0_code(raw, base, sub, e))),
+    "Q4_1": (EXACT_Q4["Q4_1"][1], lambda raw, base, sub, e, c: T.Cast("int32", _q4_1_code(raw, base, sub, e))),
+    "Q4_K": (EXACT_Q4["Q4_K"][1], lambda raw, base, sub, e, c: T.Cast("int32", _q4_k_code(raw, base, sub, e))),
+    "Q5_0": (lambda raw, base, sub: [_half(raw, base), T.float32(0), T.reinterpret("float32", _u32_at(raw, base + 2))],
+             _q5_0_code),
+    "Q5_1": (lambda raw, base, sub: [_half(raw, base), _half(raw, base + 2), T.reinterpret("float32", _u32_at(raw, base + 4))],
+             _q5_1_code),
+    "Q8_0": (lambda raw, base, sub: [_half(raw, base)], _q8_0_code),
+    "Q5_K": (_k_constants, _q5_k_code),
+    "Q6_K": (lambda raw, base, sub: [_half(raw, base + 208)], _q6_k_code),
+}
+
+
+def _from_codes(source):
+    """A value decoder of a type in EXACT_CODES."""
+    constants, code = EXACT_CODES[source]
+    if source == "Q6_K":
+        return constants, lambda raw, base, sub, e, c: c[0] * T.Cast("float32", _q6_k_scale(
+            raw, base, sub, T.shift_left(T.shift_right(e, 4), 4)) * code(raw, base, sub, e, c))
+    return constants, lambda raw, base, sub, e, c: T.Cast("float32", code(raw, base, sub, e, c)) * c[0] + \
+        (c[1] if len(constants(raw, base, sub)) > 1 else T.float32(0))
 
 
 DECODERS = {"F32": _decode_f32, "F16": _decode_f16, "BF16": _decode_bf16, "Q4_0": lambda: _from_exact("Q4_0"),
-            "Q4_1": lambda: _from_exact("Q4_1"), "Q4_K": lambda: _from_exact("Q4_K"), "Q5_0": _decode_q5_0,
-            "Q5_1": _decode_q5_1, "Q8_0": _decode_q8_0, "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
+            "Q4_1": lambda: _from_exact("Q4_1"), "Q4_K": lambda: _from_exact("Q4_K"),
+            **{t: (lambda t=t: _from_codes(t)) for t in ("Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K")}}
 
 
 def _constant(constants, raw, base, sub, k):
@@ -203,13 +233,15 @@ def _constant(constants, raw, base, sub, k):
 
 def gguf_repack(source: str, target: str):
     """The PrimFunc that repacks `blocks` 32-weight blocks of a GGUF tensor of type `source` into the
-    runtime's `target` format ("q4" or "q8"), writing output blocks out_block ... out_block + blocks - 1."""
+    runtime's `target` format ("q4", "q8" or "q8a"), writing output blocks out_block ... out_block + blocks - 1."""
     ggml = GGML_TYPES[source]
     SUB_BLOCKS, BLOCK_BYTES = ggml.sub_blocks, ggml.block_bytes
     if (source, target) in EXACT_REPACKS:
-        return _exact_q4(source, SUB_BLOCKS, BLOCK_BYTES) if target == "q4" else _exact_q8_0(BLOCK_BYTES)
+        exact = {"q4": lambda: _exact_q4(source, SUB_BLOCKS, BLOCK_BYTES), "q8": lambda: _exact_q8_0(BLOCK_BYTES),
+                 "q8a": lambda: _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES)}
+        return exact[target]()
     constants, value = DECODERS[source]()
-    return (_requant_q4 if target == "q4" else _requant_q8)(constants, value, SUB_BLOCKS, BLOCK_BYTES)
+    return {"q4": _requant_q4, "q8": _requant_q8, "q8a": _requant_q8a}[target](constants, value, SUB_BLOCKS, BLOCK_BYTES)
 
 
 def _block_decoder(constants, value, SUB_BLOCKS, BLOCK_BYTES):
@@ -365,5 +397,101 @@ def _exact_q8_0(BLOCK_BYTES):
                             for w in T.serial(8):  # the 32 code bytes, as they are: our Q8 packing is ggml's order
                                 q8[(out_block + i) * 8 + w] = _u32_at(raw, base + 2 + 4 * w)
                             scale[out_block + i] = _half(raw, base)
+
+    return repack
+
+
+def _q8a_word(code_of, first, w):
+    """Word w (0..3) of the Q8A block whose weights are first.. : byte b holds weight 8 (w / 2) + w % 2 + 2 b
+    (contract.model.q8a_code_position inverted), each code_of(e) (an int32 in -128..127) of weight e
+    of the 32-weight block."""
+    word = T.uint32(0)
+    for b in range(4):
+        e = first + 8 * T.shift_right(w, 1) + T.bitwise_and(w, 1) + 2 * b
+        word = T.bitwise_or(word, T.shift_left(T.bitwise_and(T.reinterpret("uint32", code_of(e)), T.uint32(0xFF)),
+                                               T.uint32(8 * b)))
+    return word
+
+
+def _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES):
+    constants, code = EXACT_CODES[source]
+
+    @T.prim_func(s_tir=True)
+    def repack(raw_h: T.handle, q8a_h: T.handle, scale_h: T.handle, min_h: T.handle, blocks: T.int32,
+               out_block: T.int32):
+        T.func_attr({"tirx.is_scheduled": True})
+        n_raw, n_q8a_blocks = T.int32(), T.int32()
+        raw = T.match_buffer(raw_h, (n_raw,), "uint32")
+        q8a = T.match_buffer(q8a_h, (n_q8a_blocks * 4,), "uint32")
+        scale = T.match_buffer(scale_h, (n_q8a_blocks,), "float32")
+        wmin = T.match_buffer(min_h, (n_q8a_blocks,), "float32")
+        for g in T.thread_binding(WORKGROUPS, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("repack_exact_q8a"):
+                    T.reads()
+                    T.writes()
+                    c = T.sblock_alloc_buffer((CONSTANTS,), "float32", scope="local")
+                    for trip in T.serial(T.ceildiv(blocks, STRIDE)):
+                        i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
+                        if i < blocks:
+                            base: T.let[T.int32] = T.truncdiv(i, SUB_BLOCKS) * BLOCK_BYTES
+                            sub: T.let[T.int32] = T.truncmod(i, SUB_BLOCKS)
+                            c[0] = _constant(constants, raw, base, sub, 0)
+                            c[1] = _constant(constants, raw, base, sub, 1)
+                            c[2] = _constant(constants, raw, base, sub, 2)
+                            for h in T.unroll(HALVES):
+                                for w in T.unroll(4):
+                                    q8a[(out_block + i) * 8 + h * 4 + w] = _q8a_word(
+                                        lambda e: code(raw, base, sub, e, c), h * Q8A_BLOCK, w)
+                                if source == "Q6_K":
+                                    scale[(out_block + i) * HALVES + h] = c[0] * T.Cast(
+                                        "float32", _q6_k_scale(raw, base, sub, h * Q8A_BLOCK))
+                                else:
+                                    scale[(out_block + i) * HALVES + h] = c[0]
+                                wmin[(out_block + i) * HALVES + h] = c[1]
+
+    return repack
+
+
+def _requant_q8a(constants, value, SUB_BLOCKS, BLOCK_BYTES):
+    decode_block = _block_decoder(constants, value, SUB_BLOCKS, BLOCK_BYTES)
+
+    @T.prim_func(s_tir=True)
+    def repack(raw_h: T.handle, q8a_h: T.handle, scale_h: T.handle, min_h: T.handle, blocks: T.int32,
+               out_block: T.int32):
+        T.func_attr({"tirx.is_scheduled": True})
+        n_raw, n_q8a_blocks = T.int32(), T.int32()
+        raw = T.match_buffer(raw_h, (n_raw,), "uint32")
+        q8a = T.match_buffer(q8a_h, (n_q8a_blocks * 4,), "uint32")
+        scale = T.match_buffer(scale_h, (n_q8a_blocks,), "float32")
+        wmin = T.match_buffer(min_h, (n_q8a_blocks,), "float32")
+        for g in T.thread_binding(WORKGROUPS, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("repack_q8a"):
+                    T.reads()
+                    T.writes()
+                    c = T.sblock_alloc_buffer((CONSTANTS,), "float32", scope="local")
+                    v = T.sblock_alloc_buffer((BLOCK,), "float32", scope="local")
+                    lo_hi = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    for trip in T.serial(T.ceildiv(blocks, STRIDE)):
+                        i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
+                        if i < blocks:
+                            decode_block(raw, c, v, i)
+                            for h in T.unroll(HALVES):
+                                lo_hi[0] = v[h * Q8A_BLOCK]
+                                lo_hi[1] = v[h * Q8A_BLOCK]
+                                for e in T.serial(1, Q8A_BLOCK):
+                                    lo_hi[0] = T.min(lo_hi[0], v[h * Q8A_BLOCK + e])
+                                    lo_hi[1] = T.max(lo_hi[1], v[h * Q8A_BLOCK + e])
+                                step: T.let[T.float32] = (lo_hi[1] - lo_hi[0]) / T.float32(Q8A_LEVELS)
+                                inverse: T.let[T.float32] = T.if_then_else(step > T.float32(0), T.float32(1) / step,
+                                                                           T.float32(0))
+                                for w in T.unroll(4):
+                                    q8a[(out_block + i) * 8 + h * 4 + w] = _q8a_word(
+                                        lambda e: T.Cast("int32", T.min(T.max(T.round((v[e] - lo_hi[0]) * inverse),
+                                                                               T.float32(0)), T.float32(Q8A_LEVELS)))
+                                        - Q8A_OFFSET, h * Q8A_BLOCK, w)
+                                scale[(out_block + i) * HALVES + h] = step
+                                wmin[(out_block + i) * HALVES + h] = lo_hi[0] + T.float32(Q8A_OFFSET) * step
 
     return repack

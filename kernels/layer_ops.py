@@ -7,23 +7,40 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE
+from contract.model import Q8A_BLOCK
 from kernels.llama_common import BLOCK, THREADS, sign_extend_byte
 
 
-def embedding_q8(dim: int, dtype: str):
-    """out[i, :] = dequantized row ids[i] of the Q8 embedding. One workgroup per token; the
+def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
+    """out[i, :] = dequantized row ids[i] of the embedding, Q8 (code * scale) or Q8A (code * scale + min,
+    a block's bytes in contract.model.q8a_code_position's order). One workgroup per token; the
     vocabulary is a runtime size."""
     WORDS = dim // 4
     WORD_TRIPS = (WORDS + THREADS - 1) // THREADS
+    q8a = weights == "q8a"
+    W_BLOCK = Q8A_BLOCK if q8a else BLOCK
+
+    def position(w, k):
+        """The row's weight at byte k of word w: in order (Q8), or by the Q8A block order."""
+        if not q8a:
+            return w * 4 + k
+        u, h = T.bitwise_and(w, 3) // 2, T.bitwise_and(w, 1)
+        return (w // 4) * Q8A_BLOCK + 8 * u + h + 2 * k
+
+    def value(word, k, s, wmin, row, w):
+        """The weight at byte k of word w of the row: code * scale (+ its block's min, Q8A)."""
+        scaled = T.Cast("float32", sign_extend_byte(word, k)) * s
+        return scaled + wmin[row, w * 4 // W_BLOCK] if q8a else scaled
 
     @T.prim_func(s_tir=True)
-    def embedding(ids_h: T.handle, q8_h: T.handle, scale_h: T.handle, out_h: T.handle):
+    def embedding(ids_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         vocab = T.int32()
         ids = T.match_buffer(ids_h, (n,), "int32")
-        q8 = T.match_buffer(q8_h, (vocab, WORDS), "uint32")
-        scale = T.match_buffer(scale_h, (vocab, dim // BLOCK), "float32")
+        w = T.match_buffer(w_h, (vocab, WORDS), "uint32")  # the codes
+        scale = T.match_buffer(scale_h, (vocab, dim // W_BLOCK), "float32")
+        wmin = T.match_buffer(min_h, (vocab, dim // W_BLOCK), "float32")  # Q8A only
         out = T.match_buffer(out_h, (n, dim), dtype)
         for i in T.thread_binding(n, thread="blockIdx.x"):
             for t in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -32,12 +49,12 @@ def embedding_q8(dim: int, dtype: str):
                     T.writes()
                     row: T.let[T.int32] = ids[i]
                     for trip in T.serial(WORD_TRIPS):
-                        w: T.let[T.int32] = trip * THREADS + t
-                        if w < WORDS:
-                            word: T.let[T.uint32] = q8[row, w]
-                            s: T.let[T.float32] = scale[row, w * 4 // BLOCK]
+                        wi: T.let[T.int32] = trip * THREADS + t
+                        if wi < WORDS:
+                            word: T.let[T.uint32] = w[row, wi]
+                            s: T.let[T.float32] = scale[row, wi * 4 // W_BLOCK]
                             for k in T.unroll(4):
-                                out[i, w * 4 + k] = T.Cast(dtype, T.Cast("float32", sign_extend_byte(word, k)) * s)
+                                out[i, position(wi, k)] = T.Cast(dtype, value(word, k, s, wmin, row, wi))
 
     return embedding
 

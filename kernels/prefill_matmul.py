@@ -1,6 +1,6 @@
-"""The prefill pass's 4-bit matmul: a tile of tokens x a tile of weight rows per workgroup.
+"""The prefill pass's matmul: a tile of tokens x a tile of weight rows per workgroup.
 
-y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama_common), with the same
+y[n, out] = x[n, in] @ W^T (+ resid), W q4 or q8a (contract.model, kernels.llama_common), with the same
 folds as the decode matmul (kernels.decode_matmul.quantized_matmul): the RMSNorm before it (`norm_eps`) and
 the SwiGLU after it (`swiglu`). The decode step keeps the one-token kernel; this one serves chunks
 of many tokens, where each weight should be read once per TOKENS tokens, not once per 8.
@@ -29,21 +29,23 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import PREFILL_TILE_ROWS, MatmulSpec
-from kernels.llama_common import BLOCK
+from contract.model import Q8A_BLOCK, q8a_code_position
+from kernels.llama_common import BLOCK, sign_extend_byte
 from kernels.paged_kv import VEC
 
 ROWS = 64  # weight rows per tile
-K_STEP = 16  # columns of `in` staged per step (half a quantization block: two q4 words a row)
+K_STEP = 16  # columns of `in` staged per step (half a q4 block: two q4 words a row; one q8a block)
 ROW_QUADS = ROWS // VEC  # 16
 HALF_QUADS = ROW_QUADS // 2  # a thread's second row quad is HALF_QUADS further on
-WORDS_PER_STEP = K_STEP // 8  # q4 words of one row per step
-W_TASKS = ROW_QUADS * WORDS_PER_STEP  # (row quad, word) loads of the W tile
+WEIGHTS_PER_TASK = 8  # weights of one row a W task dequantizes: a q4 word, two q8a words
+TASKS_PER_STEP = K_STEP // WEIGHTS_PER_TASK  # W tasks of one row per step
+W_TASKS = ROW_QUADS * TASKS_PER_STEP  # (row quad, eighth of the step) loads of the W tile
 
 
 def quantized_matmul_tiled(spec: MatmulSpec):
-    """The tiled q4 matmul PrimFunc of `spec` (see the module docstring). `n` (tokens), `out_features`
+    """The tiled matmul PrimFunc of `spec` (see the module docstring). `n` (tokens), `out_features`
     (W's rows, a multiple of ROWS) and `eps` are runtime values (contract.kernels.MatmulSpec.values)."""
-    assert spec.tiled and spec.weights == "q4" and spec.out_dtype in (None, spec.dtype)
+    assert spec.tiled and spec.weights in ("q4", "q8a") and spec.out_dtype in (None, spec.dtype)
     assert ROWS == PREFILL_TILE_ROWS
     in_features, dtype = spec.in_features, spec.dtype
     TOKENS = spec.token_tile  # 128 (256 threads), or 32 for short passes (64 threads)
@@ -53,7 +55,11 @@ def quantized_matmul_tiled(spec: MatmulSpec):
     residual, normed, swiglu = spec.residual, spec.norm_eps is not None, spec.swiglu
     COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
     STEPS = in_features // K_STEP
-    WORDS = in_features // 8
+    q8a = spec.weights == "q8a"
+    PER_WORD = 4 if q8a else 8  # weights a packed word
+    WORDS = in_features // PER_WORD
+    TASK_WORDS = WEIGHTS_PER_TASK // PER_WORD
+    W_BLOCK = Q8A_BLOCK if q8a else BLOCK  # weights a scale and min
     VEC_DTYPE = f"{dtype}x{VEC}"
     assert in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
 
@@ -67,8 +73,13 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                                   OUT_COLUMNS + tile * COLUMNS_PER_TILE + local_row - COLUMNS_PER_TILE)
         return tile * ROWS + local_row
 
-    def q4_value(word, k):
-        return T.Cast("float32", T.bitwise_and(T.shift_right(word, T.uint32(4 * k)), T.uint32(15)))
+    def code(words, i, j):
+        """Row i's code of weight j of the task's eight: a q4 nibble, or a q8a byte (its block's
+        bytes in contract.model.q8a_code_position's order; the task is half a block)."""
+        if not q8a:
+            return T.Cast("float32", T.bitwise_and(T.shift_right(words[i], T.uint32(4 * j)), T.uint32(15)))
+        u, b = q8a_code_position(j)  # the task's words are the block's 2 task .. 2 task + 1
+        return T.Cast("float32", sign_extend_byte(words[u * VEC + i], b))
 
     @T.prim_func(s_tir=True)
     def matmul(x_h: T.handle, norm_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
@@ -79,8 +90,8 @@ def quantized_matmul_tiled(spec: MatmulSpec):
         x = T.match_buffer(x_h, (n, in_features // VEC), VEC_DTYPE)  # same bytes as [n, in]
         norm = T.match_buffer(norm_h, (in_features,), "float32")
         w = T.match_buffer(w_h, (out_features, WORDS), "uint32")
-        scale = T.match_buffer(scale_h, (out_features, in_features // BLOCK), "float32")
-        wmin = T.match_buffer(min_h, (out_features, in_features // BLOCK), "float32")
+        scale = T.match_buffer(scale_h, (out_features, in_features // W_BLOCK), "float32")
+        wmin = T.match_buffer(min_h, (out_features, in_features // W_BLOCK), "float32")
         resid = T.match_buffer(resid_h, (n, out_columns(out_features) // VEC), VEC_DTYPE)
         y = T.match_buffer(y_h, (n, out_columns(out_features) // VEC), VEC_DTYPE)
         for tile in T.thread_binding(out_columns(out_features) // COLUMNS_PER_TILE, thread="blockIdx.x"):
@@ -95,7 +106,7 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                         squares = T.sblock_alloc_buffer((1,), "float32x4", scope="local")  # x^2 of 4 tokens
                         loaded = T.sblock_alloc_buffer((VEC,), "float32x4", scope="local")  # 4 rows of x or W
                         result = T.sblock_alloc_buffer((2,), "float32x4", scope="local")
-                        words = T.sblock_alloc_buffer((VEC,), "uint32", scope="local")
+                        words = T.sblock_alloc_buffer((TASK_WORDS * VEC,), "uint32", scope="local")
                         scale_min = T.sblock_alloc_buffer((2 * VEC,), "float32", scope="local")
 
                         tq: T.let[T.int32] = tid // HALF_QUADS
@@ -118,21 +129,22 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                                     x_tile[(kq * VEC + kk) * TOKEN_QUADS + lq] = T.Shuffle(
                                         [loaded[0], loaded[1], loaded[2], loaded[3]], [kk, VEC + kk, 2 * VEC + kk, 3 * VEC + kk])
                             elif tid < X_TASKS + W_TASKS:
-                                # one q4 word (8 weights) of each of 4 rows, dequantized into 8 vectors
-                                wq: T.let[T.int32] = (tid - X_TASKS) // WORDS_PER_STEP
-                                word_in_step: T.let[T.int32] = (tid - X_TASKS) % WORDS_PER_STEP
-                                word_index: T.let[T.int32] = k0 // 8 + word_in_step
+                                # 8 weights (a q4 word, two q8a words) of each of 4 rows, dequantized into 8 vectors
+                                wq: T.let[T.int32] = (tid - X_TASKS) // TASKS_PER_STEP
+                                task: T.let[T.int32] = (tid - X_TASKS) % TASKS_PER_STEP
+                                word_index: T.let[T.int32] = (k0 + task * WEIGHTS_PER_TASK) // PER_WORD
                                 for i in T.unroll(VEC):
                                     row: T.let[T.int32] = weight_row(tile, wq * VEC + i, out_columns(out_features))
-                                    words[i] = w[row, word_index]
-                                    scale_min[i] = scale[row, k0 // BLOCK]
-                                    scale_min[VEC + i] = wmin[row, k0 // BLOCK]
-                                for j in T.unroll(8):
+                                    for u in T.unroll(TASK_WORDS):
+                                        words[u * VEC + i] = w[row, word_index + u]
+                                    scale_min[i] = scale[row, k0 // W_BLOCK]
+                                    scale_min[VEC + i] = wmin[row, k0 // W_BLOCK]
+                                for j in T.unroll(WEIGHTS_PER_TASK):
                                     for i in T.unroll(VEC):
-                                        loaded[i] = T.Broadcast(q4_value(words[i], j) * scale_min[i] + scale_min[VEC + i], VEC)
-                                    w_tile[(word_in_step * 8 + j) * ROW_QUADS + wq] = T.Shuffle(
+                                        loaded[i] = T.Broadcast(code(words, i, j) * scale_min[i] + scale_min[VEC + i], VEC)
+                                    w_tile[(task * WEIGHTS_PER_TASK + j) * ROW_QUADS + wq] = T.Shuffle(
                                         [loaded[0], loaded[1], loaded[2], loaded[3]], [0, VEC, 2 * VEC, 3 * VEC]) * T.Broadcast(
-                                            norm[k0 + word_in_step * 8 + j] if normed else T.float32(1), VEC)
+                                            norm[k0 + task * WEIGHTS_PER_TASK + j] if normed else T.float32(1), VEC)
                             # token quads wholly past n skip the arithmetic (a short prompt's last tile; on a
                             # CPU rasterizer, whose SIMD lanes are 8 neighbouring threads of one quad, that is time)
                             if tok0 + tq * VEC < n:

@@ -1,6 +1,6 @@
-"""The prefill pass's 4-bit matmul on subgroup matrices (the tensor cores), written as WGSL.
+"""The prefill pass's matmul on subgroup matrices (the tensor cores), written as WGSL.
 
-y[n, out] = x[n, in] @ W^T (+ resid), W in the artifact's q4 packing (kernels.llama_common), with the folds
+y[n, out] = x[n, in] @ W^T (+ resid), W q4 or q8a (contract.model, kernels.llama_common), with the folds
 of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the SwiGLU
 after it (`swiglu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
 
@@ -12,7 +12,7 @@ Written as WGSL (kernels.wgsl says why), under the same contract as the TVM-buil
     64 columns); subgroup s computes tokens sm * TOKENS / SUBGROUPS_M .. and rows sn * 128 / SUBGROUPS_N ..
     as FRAGS_M x FRAGS_N 16 x 16 fragments (sm, sn = s % SUBGROUPS_M, s / SUBGROUPS_M)
 
-Per K_STEP = 32 columns of `in` (one q4 block of every row), the workgroup stages x's tile (times the norm's
+Per K_STEP = 32 columns of `in` (one q4 block, two q8a blocks of every row), the workgroup stages x's tile (times the norm's
 weight) and W's dequantized tile in workgroup memory as f16, rows padded by 8 halves (a
 probe measured unpadded tiles 2.5x slower), with the next step's raw words and x already loaded into
 registers while the fragments multiply. Each thread stages the same 4 tokens' quarter of x at every
@@ -28,7 +28,7 @@ from kernels.wgsl import FRAG, SUBGROUP, WgslKernel, left, matrix_header, result
 
 THREADS = 128  # 4 subgroups
 ROWS = 128  # weight rows of a tile
-K_STEP = 32  # columns of `in` staged per step: one q4 block (4 words) of each row
+K_STEP = 32  # columns of `in` staged per step: one q4 block (4 words) or two q8a blocks (8 words) of each row
 PAD = 8  # halves of padding after each staged row
 A_STRIDE = K_STEP + PAD  # x tile [token][k]
 B_STRIDE = ROWS + PAD  # W tile [k][row]
@@ -44,10 +44,32 @@ def column_tile(spec: MatmulSpec) -> int:
     return ROWS // 2 if spec.swiglu else ROWS
 
 
+def dequantize_w(q8a: bool) -> list[str]:
+    """WGSL that writes this thread's row of the step's W tile (its K_STEP weights, as f16) from the
+    loaded words: a q4 block's 8 nibbles a word, or two q8a blocks' 4 signed bytes a word (byte b of
+    word u is weight 8 (u / 2) + u % 2 + 2 b of its block: contract.model.q8a_code_position)."""
+    if not q8a:
+        return ["    for (var word = 0u; word < 4u; word = word + 1u) {",
+                "      for (var e = 0u; e < 8u; e = e + 1u) {",
+                "        let k = word * 8u + e;",
+                "        let value = f32((w_raw[word] >> (4u * e)) & 15u) * w_scale + w_min;",
+                f"        w_tile[k * {B_STRIDE}u + tid] = f16(value);",
+                "      }", "    }"]
+    lines = []
+    for h in range(2):
+        lines += ["    for (var word = 0u; word < 4u; word = word + 1u) {",
+                  "      for (var b = 0u; b < 4u; b = b + 1u) {",
+                  f"        let k = {16 * h}u + (word / 2u) * 8u + word % 2u + 2u * b;",
+                  f"        let code = extractBits(bitcast<i32>(w_raw{h}[word]), 8u * b, 8u);",
+                  f"        w_tile[k * {B_STRIDE}u + tid] = f16(f32(code) * w_scale{h} + w_min{h});",
+                  "      }", "    }"]
+    return lines
+
+
 def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
-    """The subgroup-matrix prefill matmul of `spec` (tiled, matrix, q4, f16), its name the entry point.
-    `n`, `out_features` (W's rows) and `eps` are runtime values, as in the scalar tiled kernel."""
-    assert spec.tiled and spec.matrix and spec.weights == "q4" and spec.dtype == "float16"
+    """The subgroup-matrix prefill matmul of `spec` (tiled, matrix, q4 or q8a, f16), its name the entry
+    point. `n`, `out_features` (W's rows) and `eps` are runtime values, as in the scalar tiled kernel."""
+    assert spec.tiled and spec.matrix and spec.weights in ("q4", "q8a") and spec.dtype == "float16"
     assert spec.in_features % K_STEP == 0 and spec.token_tile in TILE_LAYOUTS
     tokens, (sub_m, sub_n, frags_m, frags_n) = spec.token_tile, TILE_LAYOUTS[spec.token_tile]
     assert sub_m * sub_n * SUBGROUP == THREADS and sub_n * frags_n * FRAG == ROWS
@@ -58,6 +80,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     x_loads = tokens * X_WORDS // THREADS  # vec4<u32> loads of x per thread per step
     sub_tokens = frags_m * FRAG  # a subgroup's tokens
     columns = column_tile(spec)
+    q8a = spec.weights == "q8a"
+    blocks = 2 if q8a else 1  # a row's blocks a step (a vec4<u32> of codes each)
+    suffixes = ("0", "1") if q8a else ("",)  # of each block's registers
 
     buffers = [("x", "read", "float16", "vec4<u32>")]
     buffers += [("norm", "read", "float32", "vec4<f32>")] if normed else []
@@ -102,8 +127,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                   f"  let w_row = u32(min(column, half_rows - 1) + select(0, half_rows, tid >= {columns}u));"]
     else:
         lines += [f"  let w_row = u32(min(i32(wid.x) * {ROWS} + i32(tid), out_features - 1));"]
-    lines += [f"  let w_block0 = w_row * {steps}u;", "  var w_raw : vec4<u32>;", "  var w_scale : f32;",
-              "  var w_min : f32;"]
+    lines += [f"  let w_block0 = w_row * {steps * blocks}u;"]
+    for h in suffixes:
+        lines += [f"  var w_raw{h} : vec4<u32>;", f"  var w_scale{h} : f32;", f"  var w_min{h} : f32;"]
     lines += ["  var norm_lo : vec4<f32>;  // the norm's weight of this thread's quarter of x",
               "  var norm_hi : vec4<f32>;"] * normed + [""]
     lines += [f"  var acc{i}_{j} = {result_zero()};"
@@ -113,8 +139,11 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
         out = [f"    x_raw{i} = x[x_at{i} + {step} * {X_WORDS}u];" for i in range(x_loads)]
         out += [f"    norm_lo = norm[{step} * {K_STEP // 4}u + quarter * 2u];",
                 f"    norm_hi = norm[{step} * {K_STEP // 4}u + quarter * 2u + 1u];"] * normed
-        return out + [f"    w_raw = w[w_block0 + {step}];", f"    w_scale = scale[w_block0 + {step}];",
-                      f"    w_min = wmin[w_block0 + {step}];"]
+        for h, suffix in enumerate(suffixes):
+            at = f"w_block0 + {step} * 2u + {h}u" if q8a else f"w_block0 + {step}"
+            out += [f"    w_raw{suffix} = w[{at}];", f"    w_scale{suffix} = scale[{at}];",
+                    f"    w_min{suffix} = wmin[{at}];"]
+        return out
 
     lines += ["  {"] + load("0u") + ["  }"]
     lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
@@ -129,12 +158,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                           f"      x_sq{i} = x_sq{i} + dot(pair, pair); }}"]
             else:
                 lines += ["      x_tile[at] = f16(pair.x);", "      x_tile[at + 1u] = f16(pair.y); }"]
-    lines += ["    for (var word = 0u; word < 4u; word = word + 1u) {",
-              "      for (var e = 0u; e < 8u; e = e + 1u) {",
-              "        let k = word * 8u + e;",
-              "        let value = f32((w_raw[word] >> (4u * e)) & 15u) * w_scale + w_min;",
-              f"        w_tile[k * {B_STRIDE}u + tid] = f16(value);",
-              "      }", "    }", "    workgroupBarrier();",
+    lines += dequantize_w(q8a) + ["    workgroupBarrier();",
               f"    if (step + 1u < {steps}u) {{"] + load("(step + 1u)") + ["    }"]
     for kk in range(0, K_STEP, FRAG):
         for i in range(frags_m):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from contract.model import q8a_code_position
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
 
 THREADS = 256
@@ -40,11 +41,11 @@ CODE_MAX = 127.0  # the codes' range: signed bytes, symmetric
 BYTE = 0xFF
 
 
-def code_position(c: int) -> tuple[int, int]:
-    """(word, byte) of value c of a chunk in its 4 words of codes: word 2u + h holds q4 word u's even
-    (h = 0) or odd (h = 1) elements, in order. The kernel below packs by this rule four values a
-    thread; MatmulSpec.quantizes_y's epilogue (kernels.decode_matmul_int8) packs by it one word a thread."""
-    return (c // 8) * 2 + c % 2, (c % 8) // 2
+# (word, byte) of value c of a chunk in its 4 words of codes: word 2u + h holds q4 word u's even (h = 0)
+# or odd (h = 1) elements, in order; a q8a weight block's bytes are stored by the same rule. The kernel
+# below packs by it four values a thread; MatmulSpec.quantizes_y's epilogue (kernels.decode_matmul_int8)
+# one word a thread.
+code_position = q8a_code_position
 
 
 def quantize_x(dtype: str, normed: bool, split_head_dim: int | None = None):

@@ -11,7 +11,7 @@ from contract.attention import LAYOUT_NAMES
 from contract.kernels import (PREFILL_TOKEN_TILE, QUANTIZED_X, SERVED_MATMUL_SUBGROUP_LANES, SHORT_PREFILL_TOKENS,
                               SPLIT_WORKSPACE, WORKGROUP_STORAGE_BYTES, AttentionSpec, MatmulSpec)
 from contract.model import (DTYPE_TAGS, DTYPES, MODEL_CONFIGS, SYNTHETIC_CONFIGS, TEST_MODEL_CONFIGS,
-                            AttentionShape)
+                            AttentionShape, all_wide)
 from kernels.catalog import (KernelRecipe, attention_recipe, attention_recipes, fill_recipes, llama_recipes,
                              matrix_prefill_attention_recipe, prefill_attention_recipes, probe_recipe, repack_recipes)
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
@@ -63,6 +63,18 @@ TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "l
                        "quad_residual": (16384, 96, True, False, False)}
 
 
+# Grid matmuls also on Q8A weights (a GGUF's 5- to 8-bit matrices: contract.model), named with this suffix.
+Q8A_SUFFIX = "_q8a"
+TEST_PREFILL_MATMULS.update({f"{flags}{Q8A_SUFFIX}": TEST_PREFILL_MATMULS[flags] for flags in ("residual", "norm_swiglu")})
+TEST_DECODE_MATMULS.update({f"{flags}{Q8A_SUFFIX}": TEST_DECODE_MATMULS[flags]
+                            for flags in ("paired_norm_swiglu", "quad_residual")})
+
+
+def grid_weights(flags: str) -> str:
+    """The weight format of a grid matmul: q8a where its name says so, else q4."""
+    return "q8a" if flags.endswith(Q8A_SUFFIX) else "q4"
+
+
 # The decode matmuls' subgroup builds the tests run (MatmulSpec.subgroup_lanes), each where the
 # adapter's subgroups hold it: 8 lanes, the subgroup size of lavapipe on a 256-bit CPU (the tiny test
 # model runs it too), and the served artifact's 32 (GPUs: the H200).
@@ -94,7 +106,8 @@ def grid_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, 
                      quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False) -> MatmulSpec:
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
-    return MatmulSpec(out_features, in_features, dtype, residual=residual, norm_eps=1e-5 if norm else None,
+    return MatmulSpec(out_features, in_features, dtype, grid_weights(flags), residual=residual,
+                      norm_eps=1e-5 if norm else None,
                       swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
                       quantizes_y=quantizes_y, token_tile=token_tile, matrix=matrix)
 
@@ -164,7 +177,8 @@ def grid_recipes() -> list[KernelRecipe]:
         for dtype in DTYPES:
             recipes += attention_recipes(config.attention_shape, dtype)
             recipes += prefill_attention_recipes(config.attention_shape, dtype)
-            recipes += llama_recipes(config, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])
+            for weights in (config, all_wide(config)):  # Q8A matrices: tests/test_gguf_model.py
+                recipes += llama_recipes(weights, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])
     # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills
     for name in TEST_SYNTHETIC_SHAPES:
         config = SYNTHETIC_CONFIGS[name]

@@ -2,8 +2,8 @@
 
 Each GGUF type's raw blocks are random bytes with sane f16 fields (negative, subnormal and zero
 scales among them), so every bit of every field is exercised:
-- exact pairs (Q4_0 / Q4_1 / Q4_K -> Q4, Q8_0 -> Q8) keep the file's codes bit for bit and their
-  dequantized values equal gguf's to f32 rounding;
+- exact pairs (Q4_0 / Q4_1 / Q4_K -> Q4, Q8_0 -> Q8, every quantized type -> Q8A) keep the file's
+  codes and their dequantized values equal gguf's to f32 rounding;
 - every other pair requantizes: each weight is within half a quantization step of gguf's value.
 The output lands at a block offset (`out_block`), as a fused matrix's later parts do.
 """
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from contract.gguf import EXACT_REPACKS, GGML_TYPES, REPACK_TARGETS, repack_kernel_name
-from convert.weights import dequant_q4, dequant_q8, unpack_q8
+from convert.weights import dequant_q4, dequant_q8, dequant_q8a, unpack_q8, unpack_q8a
 
 # byte offsets of each block's f16 fields (d, dmin / m): they get sane values, the rest stays random
 HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
@@ -51,17 +51,18 @@ def run_repack(loop, gpu, kernel, target: str, raw: np.ndarray, blocks32: int) -
     padded = np.zeros((len(raw) + 3) // 4 * 4, np.uint8)
     padded[:len(raw)] = raw
     total = OUT_BLOCK + blocks32
-    words = {"q4": 4, "q8": 8}[target]
+    words, scales = {"q4": (4, 1), "q8": (8, 1), "q8a": (8, 2)}[target]  # a 32-weight block's
     out = {"raw": gpu.storage_buffer(len(padded), padded.tobytes()),
-           target: gpu.storage_buffer(total * words * 4), "scale": gpu.storage_buffer(total * 4)}
-    if target == "q4":
-        out["wmin"] = gpu.storage_buffer(total * 4)
+           target: gpu.storage_buffer(total * words * 4), "scale": gpu.storage_buffer(total * scales * 4)}
+    if target != "q8":
+        out["wmin"] = gpu.storage_buffer(total * scales * 4)
     batch = gpu.batch()
     kernel.bind(out, {"blocks": blocks32, "out_block": OUT_BLOCK}).dispatch(batch)
     batch.submit()
 
     def read(name, dtype):
-        data = np.frombuffer(loop.run_until_complete(gpu.read(out[name], total * (words if name == target else 1) * 4)), dtype)
+        data = np.frombuffer(loop.run_until_complete(gpu.read(out[name], total * (words if name == target else scales) * 4)),
+                             dtype)
         return data.reshape(total, -1)[OUT_BLOCK:]
 
     got = {name: read(name, np.uint32 if name == target else np.float32) for name in out if name != "raw"}
@@ -82,6 +83,9 @@ def test_repack_matches_gguf_dequantize(loop, gpu, test_library, source):
         if target == "q4":
             values = dequant_q4(got["q4"].reshape(1, -1), got["scale"].reshape(1, -1), got["wmin"].reshape(1, -1))
             step = np.abs(got["scale"])  # per block
+        elif target == "q8a":
+            values = dequant_q8a(got["q8a"].reshape(1, -1), got["scale"].reshape(1, -1), got["wmin"].reshape(1, -1))
+            step = np.abs(got["scale"]).reshape(-1, 2).max(axis=1)  # the larger of a 32-block's two
         else:
             values = dequant_q8(got["q8"].reshape(1, -1), got["scale"].reshape(1, -1))
             step = got["scale"]
@@ -92,7 +96,8 @@ def test_repack_matches_gguf_dequantize(loop, gpu, test_library, source):
                                        err_msg=f"{source} -> {target}")
             if source == "Q8_0":  # the code bytes themselves, in file order
                 codes = raw.reshape(-1, 34)[:, 2:].view(np.int8)
-                assert np.array_equal(unpack_q8(got["q8"].reshape(1, -1)).reshape(-1, 32), codes)
+                unpack = unpack_q8 if target == "q8" else unpack_q8a
+                assert np.array_equal(unpack(got[target].reshape(1, -1)).reshape(-1, 32), codes)
         else:
             error = np.abs(values - reference)
             bound = 0.5 * step.reshape(-1, 1) * (1 + 1e-4) + 1e-6 * span

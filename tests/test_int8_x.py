@@ -1,4 +1,4 @@
-"""x as int8 codes for the decode q4 matmul (kernels.quantize_x, MatmulSpec.int8_x) against float64.
+"""x as int8 codes for the decode q4 and q8a matmuls (kernels.quantize_x, MatmulSpec.int8_x) against float64.
 
 The quantizer's codes and stats are checked against the same rule in float64 (a code may differ by
 one where v / d sits on a rounding boundary in f32); the matmul fed by it against the f64 product of
@@ -13,11 +13,10 @@ import pytest
 
 from attention_reference import relative_l2
 from contract.kernels import QUANTIZED_X
-from convert.weights import dequant_q4
 from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_QUANTIZERS, TEST_QUANTIZING_MATMUL,
                          grid_matmul_name, grid_matmul_spec)
 from kernels.quantize_x import CHUNK, CODE_MAX
-from test_prefill_kernels import NP_DTYPE, random_q4, skip_without_f16
+from test_prefill_kernels import NP_DTYPE, random_matrix, random_q4, skip_without_f16
 
 LANES = TEST_MATMUL_SUBGROUP_LANES[0]
 # The int8 path against the f64 product of the quantized x (f32 sums of exact integer dots):
@@ -138,8 +137,7 @@ def test_int8_x_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     spec = grid_matmul_spec(flags, dtype, LANES, int8_x=True)
     assert set(QUANTIZED_X) <= set(kernel.buffer_names) and "x" not in kernel.buffer_names
     rng = np.random.default_rng(len(flags))
-    words, scale, minv = random_q4(rng, out_features, in_features)
-    w = dequant_q4(words, scale, minv).astype(np.float64)
+    words, scale, minv, w = random_matrix(rng, out_features, in_features, spec.weights)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32) if norm else None
     columns = out_features // 2 if swiglu else out_features
     for n in (1, 2):

@@ -14,7 +14,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from convert.weights import dequant_q4, pack_q4
+from contract.model import Q8A_BLOCK
+from convert.weights import dequant_q4, dequant_q8a, pack_q4, pack_q8a
 from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS,
                          TEST_PREFILL_TILES, grid_matmul_name, grid_matmul_spec)
 from model_glue.gpu.kernel import Kernel, evaluate
@@ -143,6 +144,18 @@ def random_q4(rng, rows, cols):
     return pack_q4(codes), scale, minv
 
 
+def random_matrix(rng, rows, cols, weights: str):
+    """(packed codes, scale, min, the dequantized matrix in f64) of random q4 or q8a weights."""
+    if weights == "q4":
+        words, scale, minv = random_q4(rng, rows, cols)
+        return words, scale, minv, dequant_q4(words, scale, minv).astype(np.float64)
+    codes = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
+    scale = (rng.random((rows, cols // Q8A_BLOCK)) * 0.004).astype(np.float32)
+    minv = (rng.standard_normal((rows, cols // Q8A_BLOCK)) * 0.05).astype(np.float32)
+    words = pack_q8a(codes)
+    return words, scale, minv, dequant_q8a(words, scale, minv).astype(np.float64)
+
+
 MATMUL_CASES = [(flags, None, dtype, tile, matrix) for flags in TEST_PREFILL_MATMULS
                 for dtype, tiles in TEST_PREFILL_TILES.items() for tile, matrix in tiles] + [
     (flags, lanes, dtype, 128, False) for flags in TEST_DECODE_MATMULS for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES)
@@ -188,8 +201,7 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
         grid = evaluate(kernel.spec.grid[0], spec.values)
         assert grid == columns // (8 * rows_per_thread // (2 if swiglu else 1)), kernel.spec.grid
     rng = np.random.default_rng(len(flags))
-    words, scale, minv = random_q4(rng, out_features, in_features)
-    w = dequant_q4(words, scale, minv)
+    words, scale, minv, w = random_matrix(rng, out_features, in_features, spec.weights)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32)
     if matrix:  # the f16 fragments: the dequantized weight rounded to f16 (and x times the norm's weight, below)
         w = w.astype(np.float16)

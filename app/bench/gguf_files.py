@@ -2,8 +2,8 @@
 chosen tensor types, and its tokenizer in either kind (byte-level BPE, "gpt2"; SentencePiece, "llama"), for
 the tests (tiny shapes) and `python -m app bench gguf --shape` (a whole model's size).
 
-gguf quantizes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/BF16 itself; it only dequantizes K-quants, so Q4_K and Q6_K
-blocks are packed here (a plain min/max fit; any bytes would do, since the tests compare against
+gguf quantizes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/BF16 itself; it only dequantizes K-quants, so Q4_K, Q5_K and
+Q6_K blocks are packed here (a plain min/max fit; any bytes would do, since the tests compare against
 gguf's own dequantization of what was written).
 """
 
@@ -20,23 +20,44 @@ def _half_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).view(np.uint8).reshape(x.shape[0], 2)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """f32 [rows, cols] -> block_q4_K bytes [rows, cols / 256 * 144]."""
+def _k_fit(w: np.ndarray, levels: int):
+    """A K-quant's min/max fit of f32 [rows, cols]: (d, dmin, packed 6-bit scales/mins, codes [blocks, 8, 32])."""
     blocks = w.reshape(-1, 8, 32).astype(np.float32)
     lo = np.minimum(blocks.min(axis=2), 0)
-    step = (blocks.max(axis=2) - lo) / 15
+    step = (blocks.max(axis=2) - lo) / levels
     d = np.maximum(step.max(axis=1), 1e-8) / 63
     dmin = np.maximum((-lo).max(axis=1), 1e-8) / 63
     d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(step / d[:, None]), 1, 63).astype(np.uint8)
     m = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    codes = np.clip(np.round((blocks + (dmin[:, None] * m)[..., None]) / (d[:, None] * sc)[..., None]), 0, 15).astype(np.uint8)
+    codes = np.clip(np.round((blocks + (dmin[:, None] * m)[..., None]) / (d[:, None] * sc)[..., None]), 0,
+                    levels).astype(np.uint8)
     scales = np.zeros((len(blocks), 12), np.uint8)
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
-    qs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(len(blocks), 128)
-    out = np.concatenate([_half_bytes(d), _half_bytes(dmin), scales, qs], axis=1)
+    return d, dmin, scales, codes
+
+
+def _low_nibbles(codes: np.ndarray) -> np.ndarray:
+    """A K-quant's 128 bytes of low nibbles: sub-block pair c in bytes 32c.., the even one low."""
+    low = codes & 0xF
+    return (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(len(codes), 128)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """f32 [rows, cols] -> block_q4_K bytes [rows, cols / 256 * 144]."""
+    d, dmin, scales, codes = _k_fit(w, 15)
+    out = np.concatenate([_half_bytes(d), _half_bytes(dmin), scales, _low_nibbles(codes)], axis=1)
+    return out.reshape(w.shape[0], -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """f32 [rows, cols] -> block_q5_K bytes [rows, cols / 256 * 176]: as Q4_K with a fifth bit, bit `sub` of
+    byte e of qh for weight e of sub-block sub."""
+    d, dmin, scales, codes = _k_fit(w, 31)
+    qh = ((codes >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    out = np.concatenate([_half_bytes(d), _half_bytes(dmin), scales, qh, _low_nibbles(codes)], axis=1)
     return out.reshape(w.shape[0], -1)
 
 
@@ -68,6 +89,8 @@ def encode(w: np.ndarray, qtype: str) -> np.ndarray:
         return w.astype(np.float16)
     if qtype == "Q4_K":
         return quantize_q4_k(w)
+    if qtype == "Q5_K":
+        return quantize_q5_k(w)
     if qtype == "Q6_K":
         return quantize_q6_k(w)
     if qtype == "Q2_K_RAW":  # bytes of the right size, for a type the runtime refuses (84 bytes a block)
@@ -117,7 +140,8 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
                      pre: str = "smollm", chat_template: str | None = None, seed: int = 0,
                      rope_freqs: bool = False, extra_tensor: tuple | None = None, dense: bool = True) -> dict:
     """Write a llama GGUF of `config` with random weights; `types` picks each role's tensor type
-    ("matrix", "embed", "head", "norm"; default Q4_0 / Q8_0 / Q8_0 / F32). Returns gguf's dequantized
+    ("matrix", "embed", "head", "norm"; default Q4_0 / Q8_0 / Q8_0 / F32), a layer matrix's own where
+    given ("down", or "down.1" for layer 1's: a llama.cpp mix such as Q4_K_M's). Returns gguf's dequantized
     dense weights under the runtime's names (embed, head, layers.i.qkv, ...), the f64 reference's input
     (with `dense` False nothing is dequantized or kept: a benchmark's large file)."""
     types = {"matrix": "Q4_0", "embed": "Q8_0", "head": "Q8_0", "norm": "F32", **(types or {})}
@@ -182,15 +206,18 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
         b, p = f"blk.{layer}", f"layers.{layer}"
         dense[f"{p}.attn_norm"] = tensor(f"{b}.attn_norm.weight", None, 1 + 0.1 * matrix(1, c.dim, 1)[0], types["norm"])
         dense[f"{p}.ffn_norm"] = tensor(f"{b}.ffn_norm.weight", None, 1 + 0.1 * matrix(1, c.dim, 1)[0], types["norm"])
-        parts = [tensor(f"{b}.attn_{n}.weight", None, matrix(r, c.dim, c.dim ** -0.5), types["matrix"])
+        def type_of(m):
+            return types.get(f"{m}.{layer}", types.get(m, types["matrix"]))
+
+        parts = [tensor(f"{b}.attn_{n}.weight", None, matrix(r, c.dim, c.dim ** -0.5), type_of("qkv"))
                  for n, r in (("q", q), ("k", kv), ("v", kv))]
         dense[f"{p}.qkv"] = np.concatenate(parts)
-        dense[f"{p}.o"] = tensor(f"{b}.attn_output.weight", None, matrix(c.dim, q, q ** -0.5), types["matrix"])
+        dense[f"{p}.o"] = tensor(f"{b}.attn_output.weight", None, matrix(c.dim, q, q ** -0.5), type_of("o"))
         dense[f"{p}.gate_up"] = np.concatenate([
-            tensor(f"{b}.ffn_{n}.weight", None, matrix(c.ffn_dim, c.dim, c.dim ** -0.5), types["matrix"])
+            tensor(f"{b}.ffn_{n}.weight", None, matrix(c.ffn_dim, c.dim, c.dim ** -0.5), type_of("gate_up"))
             for n in ("gate", "up")])
         dense[f"{p}.down"] = tensor(f"{b}.ffn_down.weight", None, matrix(c.dim, c.ffn_dim, c.ffn_dim ** -0.5),
-                                    types["matrix"])
+                                    type_of("down"))
     dense["final_norm"] = tensor("output_norm.weight", None, 1 + 0.1 * matrix(1, c.dim, 1)[0], types["norm"])
     if not c.tied_embeddings:
         dense["head"] = tensor("output.weight", None, matrix(c.vocab_size, c.dim, c.dim ** -0.5), types["head"])
