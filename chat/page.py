@@ -155,7 +155,20 @@ def chat_info(chat) -> str:
     model = chat.model
     return json.dumps({"dtype": model.dtype, "config": model.config_name, "options": model.options.to_json(),
                        "layers": model.config.n_layers, "chat_template": chat.template.family,
-                       "prefill_matmuls": prefill_matmuls_note(model)})
+                       "prefill_matmuls": prefill_matmuls_note(model), "weights": weights_note(model)})
+
+
+def weights_note(model) -> str:
+    """The weight format of each matrix (contract.model: Q4, Q8, Q8A) and which were quantized at load."""
+    from contract.model import layer_matrices, matrix_format
+
+    formats: dict[str, list[str]] = {}
+    for matrix in ("embed", *layer_matrices(model.config)):
+        formats.setdefault(matrix_format(model.config, matrix).upper(), []).append(matrix)
+    note = "; ".join(f"{fmt} {', '.join(names)}" for fmt, names in formats.items())
+    if model.requantized:
+        note += f" (quantized at load from the file's floats: {', '.join(model.requantized)})"
+    return note
 
 
 def prefill_matmuls_note(model) -> str:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
 from contract.kernels import LAYER_MATMULS, MATRIX_MATMULS, PAGE_SIZE, Matmul, llama_kernels, matmul_role
-from contract.model import DTYPE_BYTES
+from contract.model import DTYPE_BYTES, codes_tensor
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS, short_token_tile
 
 CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
@@ -162,7 +162,7 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
                 role = matmul_role(matmul, prefill=True, short=short_token_tile(n, matrix), matrix=matrix)
                 spec, kernel = _spec(model, role), model.kernels[role]
                 weight = f"layers.0.{LAYER_MATMULS[matmul]}"
-                buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[f"{weight}.q4"],
+                buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[codes_tensor(c, weight)],
                            "scale": model.weights[f"{weight}.scale"], "wmin": model.weights[f"{weight}.min"],
                            "norm": model.weights["layers.0.attn_norm" if "qkv" in matmul else "layers.0.ffn_norm"]}
                 bound = _bind(kernel, spec, n, buffers)

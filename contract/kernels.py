@@ -170,10 +170,11 @@ class RopeAppend:
 @dataclass(frozen=True)
 class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
-    scale; "q8a": signed bytes, a scale and a min per 16: contract.model), and what is folded into it: the RMSNorm before it (`norm_eps`; its weight is `norm`),
-    the SwiGLU after it (W holds the gate rows, then the up rows), a residual add (`resid`).
+    scale; "q8a": signed bytes, a scale and a min per 16: contract.model), and what is folded into
+    it: the RMSNorm before it (`norm_eps`; its weight is `norm`), the SwiGLU after it (W holds the
+    gate rows, then the up rows), a residual add (`resid`).
     Decode passes run kernels.decode_matmul.quantized_matmul (one token); prefill passes (`tiled`) run
-    kernels.prefill_matmul (tiles of tokens x weight rows, q4 only).
+    kernels.prefill_matmul (tiles of tokens x weight rows; q4 or q8a).
 
     The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread (and the
     decode SwiGLU's rows, `compiled_rows`); out_features, norm_eps and the RoPE epilogue's heads, base
@@ -201,7 +202,7 @@ class MatmulSpec:
     # (a power of two up to 32, or None: none; kernels.decode_matmul.quantized_matmul). It runs where the
     # adapter's subgroups hold at least this many invocations (model_glue.loading.pick_matmul_subgroup_lanes).
     subgroup_lanes: int | None = None
-    # A decode q4 matmul whose x comes as int8 codes with per-chunk stats (xq, xstats: made by a
+    # A decode q4 or q8a matmul whose x comes as int8 codes with per-chunk stats (xq, xstats: made by a
     # quantize_x dispatch, which also applies the norm's weight or merges a split call) and whose
     # dots are integer dot products (kernels.decode_matmul.quantized_matmul).
     int8_x: bool = False

@@ -57,7 +57,10 @@ class LlamaConfig:
         return cls(**values)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON holds it (lists for the tuples), so a manifest's config equals a config's dict."""
+        d = asdict(self)
+        d["wide_matrices"] = list(self.wide_matrices)
+        return d
 
     @property
     def qkv_dim(self) -> int:

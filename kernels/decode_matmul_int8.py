@@ -1,6 +1,7 @@
-"""The decode matmul on int8 codes of x, writing y: the q4 or q8a dots as dot4I8Packed on x as kernels.quantize_x
-made it, with the RMSNorm's inv_rms, the SwiGLU and a residual folded in where asked, and optionally
-y's own codes for the next matmul (kernels.decode_matmul picks it; the parts: decode_matmul_common).
+"""The decode matmul on int8 codes of x, writing y: the q4 or q8a dots as dot4I8Packed on x as
+kernels.quantize_x made it, with the RMSNorm's inv_rms, the SwiGLU and a residual folded in where
+asked, and optionally y's own codes for the next matmul (kernels.decode_matmul picks it; the parts:
+decode_matmul_common).
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ from model_glue.policy import (TILED_MAX_CONTEXT, layout_rank, pick_matmul_int8_
                                pick_prefill_matrix, why_no_prefill_matrix)
 from model_glue.model.scratch import scratch_sizes
 from model_glue.formats.gguf_file import GGUFError, read_header
-from model_glue.formats.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan, with_rope_scaling,
-                                   context_length as gguf_context_length)
+from model_glue.formats.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan,
+                                           with_matrix_formats, with_rope_scaling,
+                                           context_length as gguf_context_length)
 from model_glue.formats.gguf_upload import upload_gguf_tensors
 from model_glue.synthetic import fill_synthetic_weights
 from model_glue.gpu.webgpu import BUFFER_LIMITS, AdapterLimitError
@@ -103,7 +104,7 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
     """A llama GGUF straight from the file, through `read(offset, nbytes) -> bytes` (a native file or
     the page's File): the header is parsed (model_glue.formats.gguf_file), the shape matched to kernels and
     every tensor checked (model_glue.formats.gguf_model) before any upload, then each tensor's raw blocks are
-    uploaded and repacked to the runtime's Q4/Q8 on the GPU (kernels.gguf_repack). `header`: the
+    uploaded and repacked to the runtime's Q4/Q8/Q8A on the GPU (kernels.gguf_repack). `header`: the
     file's, where the caller has read it already."""
     try:
         header = header or await read_header(read, file_size)
@@ -114,7 +115,9 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
     loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
                      {t.name: t.nbytes for t in model_tensors(config)})
     weights = await upload_gguf_tensors(device, library, read, plan, progress)
-    return await loader.finish(weights, progress)
+    model = await loader.finish(weights, progress)
+    model.requantized = tuple(dict.fromkeys(p.names[0].split(".")[-2] for p in plan if not p.exact))
+    return model
 
 
 async def gguf_config(header, read) -> tuple[str, LlamaConfig]:
@@ -126,7 +129,7 @@ async def gguf_config(header, read) -> tuple[str, LlamaConfig]:
         if freqs.type_name != "F32":
             raise ModelError(f"{ROPE_FREQS} is {freqs.type_name}; expected F32")
         divisors = parse_f32(bytes(await read(freqs.offset, freqs.nbytes)))
-    config = with_rope_scaling(llama_config(header), divisors)
+    config = with_matrix_formats(with_rope_scaling(llama_config(header), divisors), header)
     return shape_name(config), config
 
 

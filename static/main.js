@@ -275,7 +275,8 @@ function ggufName(file, info) {
 // The status line once a model is ready: its name, chat template, kernels, context and prefill.
 function readyText(info) {
   return `${state.model.name}, ${info.chat_template} chat template, ${info.dtype === "float16" ? "f16" : "f32"} ` +
-    `kernels, context up to ${info.options.max_context} tokens, prefill on ${info.prefill_matmuls}`;
+    `kernels, context up to ${info.options.max_context} tokens, prefill on ${info.prefill_matmuls}, ` +
+    `weights ${info.weights}`;
 }
 
 // What an exported JSON belongs to: the model loaded now (each reply names its own: export.js).

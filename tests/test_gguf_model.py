@@ -2,10 +2,11 @@
 pure Python, tensors repacked on the GPU. The reference is independent of our packing: the f64 model
 over the `gguf` package's own dequantization of the file's tensors.
 
-- exact types (Q4_0 / Q4_1 / Q4_K matrices, Q8_0 embedding): logits equal the reference to f32
-  summation order;
-- other types are requantized at load (Q6_K, Q5_0, F16, BF16 ...): the logits stay close to the file's
-  own model and the greedy ids agree;
+- exact types (every quantized type's matrices: Q4_0 / Q4_1 / Q4_K as Q4, Q5_0 / Q5_1 / Q5_K / Q6_K /
+  Q8_0 as Q8A, and a llama.cpp-like mix of both; a Q8_0 embedding as Q8, any other quantized one, and
+  its head, as Q8A): logits equal the reference to f32 summation order;
+- the float types are requantized at load (F16 / BF16 matrices to Q8A, a float embedding to Q8):
+  the logits stay close to the file's own model and the greedy ids agree;
 - the real SmolLM2 GGUF gives the same ids as the precompiled SmolLM2;
 - refusals name the problem before any upload.
 """
@@ -21,10 +22,12 @@ from model_glue.formats.gguf_file import file_reader
 from model_glue.loading import load_gguf_model
 from model_glue.options import RunOptions
 from app.bench.gguf_files import write_llama_gguf
+from chat.page import weights_note
 from model_reference import ReferenceLlama
 from test_synthetic import dense_weights, logits_of, rel_l2
 
 TINY = ALL_MODEL_CONFIGS["tiny_llama"]
+ALL_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def load(loop, gpu, library, path, dtype="float32", **options):
@@ -49,18 +52,31 @@ def compare(loop, model, dense, steps=4, prompt_len=12, seed=1):
     return worst, agree
 
 
-@pytest.mark.parametrize("types,untied", [
-    ({"matrix": "Q4_0", "embed": "Q8_0"}, False),
-    ({"matrix": "Q4_1", "embed": "Q8_0", "head": "Q8_0"}, True),
-    ({"matrix": "Q4_K", "embed": "Q8_0"}, False),
-], ids=["q4_0", "q4_1-untied", "q4_k"])
-def test_exact_types_match_the_files_model(loop, gpu, test_library, tmp_path, types, untied):
+@pytest.mark.parametrize("types,untied,wide", [
+    ({"matrix": "Q4_0", "embed": "Q8_0"}, False, ()),
+    ({"matrix": "Q4_1", "embed": "Q8_0", "head": "Q8_0"}, True, ()),
+    ({"matrix": "Q4_K", "embed": "Q8_0"}, False, ()),
+    ({"matrix": "Q5_0", "embed": "Q8_0"}, False, ALL_MATRICES),
+    ({"matrix": "Q5_1", "embed": "Q8_0", "head": "Q8_0"}, True, ALL_MATRICES),
+    ({"matrix": "Q5_K", "embed": "Q8_0"}, False, ALL_MATRICES),
+    ({"matrix": "Q6_K", "embed": "Q8_0"}, False, ALL_MATRICES),
+    ({"matrix": "Q8_0", "embed": "Q8_0"}, False, ALL_MATRICES),
+    # as llama.cpp's Q4_K_M mixes them: 4-bit matrices beside wider ones, down's type changing by layer
+    ({"matrix": "Q4_K", "o": "Q5_0", "down.0": "Q6_K", "down.1": "Q4_K", "embed": "Q8_0"}, False, ("o", "down")),
+    ({"matrix": "Q6_K", "embed": "Q6_K"}, False, ALL_MATRICES + ("embed",)),  # the embedding (and head) Q8A
+    ({"matrix": "Q4_K", "embed": "Q4_K", "head": "Q6_K"}, True, ("embed",)),
+], ids=["q4_0", "q4_1-untied", "q4_k", "q5_0", "q5_1-untied", "q5_k", "q6_k", "q8_0", "q4_k_m-like", "q6_k-embed",
+        "q4_k-q6_k-head-untied"])
+def test_exact_types_match_the_files_model(loop, gpu, test_library, tmp_path, types, untied, wide):
     config = dataclasses.replace(TINY, tied_embeddings=not untied)
     path = tmp_path / "model.gguf"
     dense = write_llama_gguf(path, config, types=types, seed=4)
     model = load(loop, gpu, test_library, path)
     try:
         assert model.config_name == "tiny_llama" and model.config.tied_embeddings == (not untied)
+        assert model.config.wide_matrices == wide
+        assert "quantized at load" not in weights_note(model)
+        assert ("Q8A " in weights_note(model)) == bool(wide), weights_note(model)
         worst, agree = compare(loop, model, dense)
         assert worst < 1e-4 and agree == 4, (worst, agree)
     finally:
@@ -87,17 +103,18 @@ def test_a_shape_no_config_has_runs_on_kernels_of_its_widths(loop, gpu, test_lib
 
 
 @pytest.mark.parametrize("types", [
-    {"matrix": "Q6_K", "embed": "Q6_K"}, {"matrix": "Q5_0", "embed": "F16"}, {"matrix": "F16", "embed": "BF16"},
-    {"matrix": "Q8_0", "embed": "Q4_K", "norm": "F16"},
-], ids=["q6_k", "q5_0-f16", "f16-bf16", "q8_0-q4_k"])
+    {"matrix": "Q5_0", "embed": "F16"}, {"matrix": "F16", "embed": "BF16"},
+    {"matrix": "Q8_0", "embed": "F32", "norm": "F16"},
+], ids=["q5_0-f16", "f16-bf16", "q8_0-f32"])
 def test_requantized_types_stay_close_to_the_files_model(loop, gpu, test_library, tmp_path, types):
-    """Requantized to 4 bits a weight (8 for the embedding), the model is exactly the weights the GPU
-    holds (read back: f32 rounding), and near the file's own f64 model: on this random tiny model the
-    4-bit requantization costs 19-22% relative L2 of the logits (measured), greedy ids agree."""
+    """Requantized (float matrices to Q8A, 8 bits a weight with a scale and min per 16; a float
+    embedding to Q8), the model is exactly the weights the GPU holds (read back: f32 rounding),
+    and near the file's own f64 model, greedy ids agree."""
     path = tmp_path / "model.gguf"
     dense = write_llama_gguf(path, TINY, types=types, seed=6)
     model = load(loop, gpu, test_library, path)
     try:
+        assert "quantized at load from the file's floats" in weights_note(model), weights_note(model)
         worst, _ = compare(loop, model, dense_weights(loop, gpu, model))
         assert worst < 1e-4, worst
         model.reset()

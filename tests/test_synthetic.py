@@ -13,8 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from contract.model import ALL_MODEL_CONFIGS, SYNTHETIC_CONFIGS, model_tensors, synthetic_config_name
-from convert.weights import dequant_q4, dequant_q8
+from contract.model import (ALL_MODEL_CONFIGS, SYNTHETIC_CONFIGS, codes_tensor, matrix_format, model_tensors,
+                            synthetic_config_name)
+from convert.weights import dequant_q4, dequant_q8, dequant_q8a
 from model_glue.errors import ModelError
 from model_glue.model.generate import generate
 from model_glue.loading import load_synthetic_model
@@ -102,14 +103,20 @@ def dense_weights(loop, gpu, model) -> dict:
     """The model's weights read back from the GPU, dequantized like convert.weights does."""
     raw = {t.name: read(loop, gpu, model.weights[t.name], t.nbytes, np.uint32 if t.dtype == "uint32" else np.float32)
            .reshape(t.shape) for t in model_tensors(model.config)}
-    dense = {"embed": dequant_q8(raw["embed.q8"], raw["embed.scale"]), "final_norm": raw["final_norm"]}
-    if "head.q8" in raw:
-        dense["head"] = dequant_q8(raw["head.q8"], raw["head.scale"])
+    def matrix(name):
+        codes, scale = raw[codes_tensor(model.config, name)], raw[f"{name}.scale"]
+        fmt = matrix_format(model.config, name)
+        return dequant_q8(codes, scale) if fmt == "q8" else {"q4": dequant_q4, "q8a": dequant_q8a}[fmt](
+            codes, scale, raw[f"{name}.min"])
+
+    dense = {"embed": matrix("embed"), "final_norm": raw["final_norm"]}
+    if not model.config.tied_embeddings:
+        dense["head"] = matrix("head")
     for layer in range(model.config.n_layers):
         p = f"layers.{layer}"
         dense[f"{p}.attn_norm"], dense[f"{p}.ffn_norm"] = raw[f"{p}.attn_norm"], raw[f"{p}.ffn_norm"]
         for m in ("qkv", "o", "gate_up", "down"):
-            dense[f"{p}.{m}"] = dequant_q4(raw[f"{p}.{m}.q4"], raw[f"{p}.{m}.scale"], raw[f"{p}.{m}.min"])
+            dense[f"{p}.{m}"] = matrix(f"{p}.{m}")
     return dense
 
 

@@ -4,10 +4,11 @@ runtime's model (contract.model).
 - `llama_config(header)`: the config from the metadata (dims, heads, RoPE base, Llama 3's RoPE
   scaling from the rope_freqs tensor, a tied or separate output head);
 - `with_rope_scaling(config, divisors)`: Llama 3's RoPE scaling read from the file's rope_freqs tensor;
+- `with_matrix_formats(config, header)`: the layer matrices that keep more than 4 bits (Q8A);
   `shape_name(config)`: the contract shape it runs as (the loader checks that its kernels exist:
   model_glue.loading.model_kernel_specs);
 - `tensor_plan(header, config)`: for every runtime tensor (contract.model.model_tensors), the GGUF
-  tensors it is made of and how (repacked to Q4 or Q8, or copied as f32), checked before any upload.
+  tensors it is made of and how (repacked to Q4, Q8 or Q8A, or copied as f32), checked before any upload.
 
 Pure Python (the page runs it in Pyodide, without numpy).
 """
@@ -17,8 +18,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, replace
 
-from contract.gguf import ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata
-from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, model_tensors, rope_frequency_divisors
+from contract.gguf import (ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata,
+                           type_name, wide_matrices)
+from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, layer_matrices, model_tensors,
+                            rope_frequency_divisors)
 from model_glue.errors import ModelError
 from model_glue.formats.gguf_file import GGUFHeader, GGUFTensor
 
@@ -60,6 +63,17 @@ def with_rope_scaling(config: LlamaConfig, rope_divisors: list[float] | None) ->
     raise ModelError(f"the file's {ROPE_FREQS} tensor is not Llama 3's RoPE scaling with known parameters ({known})")
 
 
+def with_matrix_formats(config: LlamaConfig, header: GGUFHeader) -> LlamaConfig:
+    """The config with the matrices whose types their usual format would requantize (a layer matrix
+    wider than 4 bits in any layer; an embedding or head not Q8_0) as `wide_matrices`
+    (contract.gguf.wide_matrices): they run as Q8A, with the file's own values."""
+    types = {m: {type_name(header.tensors[t].type_id) for layer in range(config.n_layers)
+                 for t in _gguf_names(layer)[m] if t in header.tensors} for m in layer_matrices(config)}
+    types["embed"] = {type_name(header.tensors[t].type_id) for t in ("token_embd.weight", "output.weight")
+                      if t in header.tensors}
+    return replace(config, wide_matrices=wide_matrices(types))
+
+
 def shape_name(config: LlamaConfig) -> str:
     """The contract shape a config runs as (display only: the kernels are found by their own names):
     the config of the same widths, heads and head_dim, else a description of the shape."""
@@ -84,7 +98,7 @@ class PlannedTensor:
 
     names: tuple[str, ...]  # runtime tensors written (e.g. layers.0.qkv.q4, .scale, .min)
     nbytes: tuple[int, ...]
-    target: str  # "q4", "q8" (repacked on the GPU) or "f32" (copied)
+    target: str  # "q4", "q8", "q8a" (repacked on the GPU) or "f32" (copied)
     parts: tuple[TensorPart, ...]
     exact: bool
 
@@ -114,9 +128,9 @@ def tensor_plan(header: GGUFHeader, config: LlamaConfig) -> list[PlannedTensor]:
     plan = []
     for group, specs in groups.items():
         role = specs[0].role
-        target = {"q4": "q4", "q8": "q8", "norm": "f32"}[role]
+        target = {"q4": "q4", "q8": "q8", "q8a": "q8a", "norm": "f32"}[role]
         rows = specs[0].shape[0] if target != "f32" else 1
-        cols = specs[0].shape[-1] * (8 if target == "q4" else 4 if target == "q8" else 1)
+        cols = specs[0].shape[-1] * {"q4": 8, "q8": 4, "q8a": 4, "f32": 1}[target]
         parts, row, exact = [], 0, True
         for source in _source_names(group):
             tensor = header.tensors.get(source)

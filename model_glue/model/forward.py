@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
 from contract.kernels import INT8_X_MATMULS, MATRIX_MATMULS, SPLIT_WORKSPACE, Matmul, Role, matmul_role
-from contract.model import head_tensor
+from contract.model import codes_tensor, head_tensor
 from model_glue.model.attention import attention_call, attention_dispatches
 from model_glue.gpu.kernel import DispatchPlan
 from model_glue.model.pass_plan import PassPlan
@@ -178,9 +178,16 @@ def _codes(m, prefix: str = "") -> dict:
     return {"xq": m.buffers[f"{prefix}xq"], "xstats": m.buffers[f"{prefix}xstats"]}
 
 
+def _matrix_buffers(m, name: str) -> dict:
+    """A quantized matrix's tensors by their kernels' buffer names: its format's codes, scale, min."""
+    w = m.weights
+    out = {"w": w[codes_tensor(m.config, name)], "scale": w[f"{name}.scale"]}
+    return {**out, "wmin": w[f"{name}.min"]} if f"{name}.min" in w else out
+
+
 def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x, y, *, norm=None, resid=None,
             rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
-    """y = x @ W^T with the role's folds; `weight` names the q4 matrix (its .q4/.scale/.min tensors).
+    """y = x @ W^T with the role's folds; `weight` names the matrix (its .q4 or .q8a, .scale, .min tensors).
     `x` is a buffer, a dict of the buffers x is made from (the merging o-projection's partial
     states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
     epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
@@ -200,7 +207,7 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x,
         buffers = {"x": x}
     if y_codes is not None:
         buffers.update({"yq": y_codes["xq"], "ystats": y_codes["xstats"]})
-    buffers.update({"w": w[f"{weight}.q4"], "scale": w[f"{weight}.scale"], "wmin": w[f"{weight}.min"]})
+    buffers.update(_matrix_buffers(m, weight))
     buffers.update(rope_io or {"y": y})
     if norm is not None and not int8_x:
         buffers["norm"] = w[norm]
@@ -251,8 +258,8 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
         # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
-        enc.run(k[Role.EMBED], {"ids": buf["ids"] if n > 1 else buf["next_id"], "q8": w["embed.q8"],
-                             "scale": w["embed.scale"], "out": x}, role_values(m, Role.EMBED, n=n))
+        enc.run(k[Role.EMBED], {"ids": buf["ids"] if n > 1 else buf["next_id"], **_matrix_buffers(m, "embed"), "out": x},
+                role_values(m, Role.EMBED, n=n))
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
         # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
@@ -287,9 +294,8 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
     if n > 1:
         enc.batch.copy(x, (n - 1) * c.dim * m.esize, buf["last"], 0, c.dim * m.esize)
         last = buf["last"]
-    head_matrix = head_tensor(c)  # the tied embedding or the head's own matrix, q8
-    head = {"w": w[f"{head_matrix}.q8"], "scale": w[f"{head_matrix}.scale"], "y": buf["logits"],
-            "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
+    head_matrix = _matrix_buffers(m, head_tensor(c))  # the tied embedding or the head's own matrix
+    head = {**head_matrix, "y": buf["logits"], "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
         if plan.fold_norms:
             enc.run(k[Role.NORM_LM_HEAD], {"x": last, "norm": w["final_norm"], **head},

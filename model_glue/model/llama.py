@@ -50,6 +50,7 @@ class LlamaModel:
         self.dtype = dtype
         self.esize = DTYPE_BYTES[dtype]
         self.weights = weights
+        self.requantized: tuple[str, ...] = ()  # matrices a GGUF held as floats, quantized at load (loading)
         # role -> artifact name and the sizes it runs with (contract.kernels.llama_kernels: a kernel is
         # compiled for row widths, not for this model, so its row counts, vocabulary, eps and RoPE
         # values are runtime values)
