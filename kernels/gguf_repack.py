@@ -401,16 +401,15 @@ def _exact_q8_0(BLOCK_BYTES):
     return repack
 
 
-def _q8a_word(code_of, first, w):
-    """Word w (0..3) of the Q8A block whose weights are first.. : byte b holds weight 8 (w / 2) + w % 2 + 2 b
-    (contract.model.q8a_code_position inverted), each code_of(e) (an int32 in -128..127) of weight e
-    of the 32-weight block."""
-    word = T.uint32(0)
-    for b in range(4):
-        e = first + 8 * T.shift_right(w, 1) + T.bitwise_and(w, 1) + 2 * b
-        word = T.bitwise_or(word, T.shift_left(T.bitwise_and(T.reinterpret("uint32", code_of(e)), T.uint32(0xFF)),
-                                               T.uint32(8 * b)))
-    return word
+def _q8a_weight(h, w, b):
+    """The weight (of a 32-weight block) at byte b of word w of Q8A block h: 8 (w / 2) + w % 2 + 2 b of
+    that block (contract.model.q8a_code_position inverted)."""
+    return h * Q8A_BLOCK + 8 * T.shift_right(w, 1) + T.bitwise_and(w, 1) + 2 * b
+
+
+def _byte_at(code, b):
+    """An int32 code in -128..127 as byte b of a u32."""
+    return T.shift_left(T.bitwise_and(T.reinterpret("uint32", code), T.uint32(0xFF)), T.Cast("uint32", 8 * b))
 
 
 def _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES):
@@ -431,6 +430,7 @@ def _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES):
                     T.reads()
                     T.writes()
                     c = T.sblock_alloc_buffer((CONSTANTS,), "float32", scope="local")
+                    word = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                     for trip in T.serial(T.ceildiv(blocks, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < blocks:
@@ -439,10 +439,13 @@ def _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES):
                             c[0] = _constant(constants, raw, base, sub, 0)
                             c[1] = _constant(constants, raw, base, sub, 1)
                             c[2] = _constant(constants, raw, base, sub, 2)
-                            for h in T.unroll(HALVES):
-                                for w in T.unroll(4):
-                                    q8a[(out_block + i) * 8 + h * 4 + w] = _q8a_word(
-                                        lambda e: code(raw, base, sub, e, c), h * Q8A_BLOCK, w)
+                            for h in T.serial(HALVES):  # loops, not unrolled: a Q6_K code is a long expression
+                                for w in T.serial(4):
+                                    word[0] = T.uint32(0)
+                                    for b in T.serial(4):
+                                        word[0] = T.bitwise_or(word[0], _byte_at(
+                                            code(raw, base, sub, _q8a_weight(h, w, b), c), b))
+                                    q8a[(out_block + i) * 8 + h * 4 + w] = word[0]
                                 if source == "Q6_K":
                                     scale[(out_block + i) * HALVES + h] = c[0] * T.Cast(
                                         "float32", _q6_k_scale(raw, base, sub, h * Q8A_BLOCK))
@@ -473,11 +476,12 @@ def _requant_q8a(constants, value, SUB_BLOCKS, BLOCK_BYTES):
                     c = T.sblock_alloc_buffer((CONSTANTS,), "float32", scope="local")
                     v = T.sblock_alloc_buffer((BLOCK,), "float32", scope="local")
                     lo_hi = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    word = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                     for trip in T.serial(T.ceildiv(blocks, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < blocks:
                             decode_block(raw, c, v, i)
-                            for h in T.unroll(HALVES):
+                            for h in T.serial(HALVES):
                                 lo_hi[0] = v[h * Q8A_BLOCK]
                                 lo_hi[1] = v[h * Q8A_BLOCK]
                                 for e in T.serial(1, Q8A_BLOCK):
@@ -486,11 +490,13 @@ def _requant_q8a(constants, value, SUB_BLOCKS, BLOCK_BYTES):
                                 step: T.let[T.float32] = (lo_hi[1] - lo_hi[0]) / T.float32(Q8A_LEVELS)
                                 inverse: T.let[T.float32] = T.if_then_else(step > T.float32(0), T.float32(1) / step,
                                                                            T.float32(0))
-                                for w in T.unroll(4):
-                                    q8a[(out_block + i) * 8 + h * 4 + w] = _q8a_word(
-                                        lambda e: T.Cast("int32", T.min(T.max(T.round((v[e] - lo_hi[0]) * inverse),
-                                                                               T.float32(0)), T.float32(Q8A_LEVELS)))
-                                        - Q8A_OFFSET, h * Q8A_BLOCK, w)
+                                for w in T.serial(4):
+                                    word[0] = T.uint32(0)
+                                    for b in T.serial(4):
+                                        level: T.let[T.float32] = T.round((v[_q8a_weight(h, w, b)] - lo_hi[0]) * inverse)
+                                        word[0] = T.bitwise_or(word[0], _byte_at(T.Cast("int32", T.min(T.max(
+                                            level, T.float32(0)), T.float32(Q8A_LEVELS))) - Q8A_OFFSET, b))
+                                    q8a[(out_block + i) * 8 + h * 4 + w] = word[0]
                                 scale[(out_block + i) * HALVES + h] = step
                                 wmin[(out_block + i) * HALVES + h] = lo_hi[0] + T.float32(Q8A_OFFSET) * step
 

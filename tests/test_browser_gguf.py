@@ -47,7 +47,7 @@ GGUF_NAME = "tiny-chat-q4_1 <img src=x onerror=alert(1)>.gguf"
 def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
     path = tmp_path / GGUF_NAME
     write_llama_gguf(path, dataclasses.replace(ALL_MODEL_CONFIGS["tiny_chat"], n_layers=1), chat_template=CHATML,
-                     types={"matrix": "Q4_1", "embed": "Q8_0"}, seed=3)
+                     types={"matrix": "Q4_1", "down": "Q6_K", "embed": "Q8_0"}, seed=3)  # down as Q8A
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:-4096])
     tab = open_page(browser, server + f"/?model=synthetic:tiny_chat&keepChunk={KEEP_CHUNK}",
@@ -69,6 +69,7 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
         status = tab.text_content("#status-panel")
         name = f"{GGUF_NAME} (tiny_chat shape, 1 layer)"  # its file name and shape
         assert f"Ready: {name}, chatml chat template" in status, status
+        assert "weights Q8 embed; Q4 qkv, o, gate_up; Q8A down" in status, status  # each matrix's own format
         assert tab.inner_text("header h1") == f"{name} in your browser" and tab.locator("header img, #status-panel img").count() == 0
         assert tab.title().startswith(f"{name} on WebGPU") and f"ready: {name}," in tab.inner_text("#status-summary")
         assert not [u for u in tab.requests if u.endswith(".gguf")]  # the file never went to the server
