@@ -103,6 +103,28 @@ class PageDriver:
         return {"ready_s": state["readyAt"] / 1e3, "wall_s": time.perf_counter() - started,
                 "weights": state["weights"], "dtype": state["info"]["dtype"], "device": state["device"]}
 
+    def open_gguf(self, path: Path) -> dict:
+        """Open a GGUF through the page's file input, as a person does: seconds to its Ready (the page then
+        keeps it in the browser's cache in the background, while the next turns run)."""
+        def said(start: str) -> str:  # a line of the page's loading steps starts with `start`
+            return f"[...document.querySelectorAll('#progress li')].some(li => li.textContent.startsWith({json.dumps(start)}))"
+
+        started = time.perf_counter()
+        self.tab.set_input_files("#gguf-file", str(path))
+        self.tab.wait_for_function(f"() => {said('Ready: ' + path.name)} || {said('Cannot open ' + path.name)}",
+                                   timeout=LOAD_TIMEOUT_MS)
+        seconds = time.perf_counter() - started
+        error = self.tab.evaluate("document.getElementById('error').hidden ? null : "
+                                  "document.getElementById('error').textContent")
+        if error:
+            raise SystemExit(f"the page refused {path}: {error}")
+        return {"file": path.name, "bytes": path.stat().st_size, "ready_s": seconds,
+                "status": self.tab.evaluate("document.getElementById('status-summary').textContent")}
+
+    def keeping(self) -> dict | None:
+        """How far the page's keeping of an opened GGUF is (stage, bytes done of total, holds for replies)."""
+        return self.tab.evaluate("window.demoState.keeping ? {...window.demoState.keeping} : null")
+
     def new_chat(self) -> None:
         """New chat, waited until the page has emptied the conversation (its export table too)."""
         self.tab.click("#new-chat")
@@ -241,6 +263,15 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
     for load in result["loads"]:
         source = (load["weights"] or {}).get("source")
         rows.append((f"Ready (weights from the {source})", _num(load["ready_s"], 2, " s")))
+    if "gguf" in result:
+        g = result["gguf"]
+        rows.append((f"{g['file']} ({g['bytes'] / 2**20:,.0f} MiB) opened: Ready", _num(g["ready_s"], 2, " s")))
+        for turn_name in ("short", "long"):
+            keeping = g.get(f"keeping_at_{turn_name}") or {}
+            if keeping:
+                rows.append((f"  kept in the cache when the {turn_name} turn began",
+                             f"{keeping.get('stage')}: {keeping.get('done', 0) / 2**20:,.0f} of "
+                             f"{keeping.get('total', 0) / 2**20:,.0f} MiB"))
 
     def turn(label, run):
         speed = run["speed"]
@@ -361,10 +392,16 @@ def run_page_bench(args) -> dict:
                     say(f"visit {visit + 1}: Ready in {load['ready_s']:.2f} s (weights: {(load['weights'] or {}).get('source')})")
                 result.update(adapter=load["device"]["adapter"], dtype=load["dtype"], device=load["device"])
                 say(f"page {url}\nadapter: {result['adapter']} ({load['device']['backend']}), {result['dtype']} kernels")
+                if args.gguf:  # the turns below are typed at once after its Ready, while the page keeps it
+                    result["gguf"] = page.open_gguf(args.gguf)
+                    say(f"opened {args.gguf.name} in {result['gguf']['ready_s']:.2f} s: {result['gguf']['status']}")
+                    result["gguf"]["keeping_at_short"] = page.keeping()
                 result["short"] = page.reply(SHORT_PROMPT, tokens["short"])
                 say(f"short prompt: {result['short']['tokens']} tokens")
                 document = page.long_document(long_chars)
                 page.new_chat()
+                if args.gguf:
+                    result["gguf"]["keeping_at_long"] = page.keeping()
                 result["long"] = page.reply(document, tokens["long"])
                 say(f"long document: {result['long']['prompt_tokens']} prompt tokens")
                 page.new_chat()
