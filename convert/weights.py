@@ -39,7 +39,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
-from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, q8a_code_position
+from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, matrix_format,
+                            q8a_code_position)
 
 ALIGN = 256
 QBLOCK = 32  # elements per Q4 / Q8 block
@@ -247,16 +248,22 @@ def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple
     """
     manifest, raw = read_artifact_tensors(art_dir)
     config = manifest["config"]
+    formats = LlamaConfig.from_dict(config)
+
+    def matrix(name):  # in its format (contract.model.matrix_format)
+        fmt = matrix_format(formats, name)
+        codes, scale = raw[f"{name}.{fmt}"], raw[f"{name}.scale"]
+        return dequant_q8(codes, scale) if fmt == "q8" else \
+            {"q4": dequant_q4, "q8a": dequant_q8a}[fmt](codes, scale, raw[f"{name}.min"])
+
     wanted = range(config["n_layers"]) if layers is None else list(layers)
-    dense = {"embed": dequant_q8(raw["embed.q8"], raw["embed.scale"]),
-             "final_norm": raw["final_norm"].astype(np.float32)}
+    dense = {"embed": matrix("embed"), "final_norm": raw["final_norm"].astype(np.float32)}
     for i in wanted:
         p = f"layers.{i}"
         dense[f"{p}.attn_norm"] = raw[f"{p}.attn_norm"].astype(np.float32)
         dense[f"{p}.ffn_norm"] = raw[f"{p}.ffn_norm"].astype(np.float32)
         for mat in ("qkv", "o", "gate_up", "down"):
-            n = f"{p}.{mat}"
-            dense[n] = dequant_q4(raw[n + ".q4"], raw[n + ".scale"], raw[n + ".min"])
+            dense[f"{p}.{mat}"] = matrix(f"{p}.{mat}")
     return config, dense
 
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from app.bench.gguf_files import write_llama_gguf
@@ -15,6 +16,7 @@ from chat.session import ChatSession
 from model_glue.sources import Artifact, GGUFFile, open_model
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST
 from contract.model import ALL_MODEL_CONFIGS, model_tensors
+from convert.weights import load_artifact_weights
 from model_glue.gpu.artifact import folder_readers
 from model_glue.errors import ModelError
 from model_glue.formats.gguf_file import file_reader
@@ -32,9 +34,12 @@ OPTIONS = RunOptions(max_context=512, warm_up=False)
 def test_a_converted_gguf_is_the_model_the_file_opens_as(loop, gpu, test_library, tmp_path, types, tokenizer, untied):
     config = dataclasses.replace(TINY, tied_embeddings=not untied)
     path = tmp_path / "model.gguf"
-    write_llama_gguf(path, config, types=types, tokenizer=tokenizer, chat_template=CHATML, seed=9, dense=False)
+    files = write_llama_gguf(path, config, types=types, tokenizer=tokenizer, chat_template=CHATML, seed=9)
     out = tmp_path / "artifact"
     manifest = loop.run_until_complete(convert_gguf_file(gpu, test_library, path, out, log=lambda message: None))
+    _, dense = load_artifact_weights(out)  # each matrix read back in its format: the file's own values
+    for name in ("layers.0.qkv", "layers.1.down"):
+        np.testing.assert_allclose(dense[name], files[name], rtol=0, atol=1e-6 * np.abs(files[name]).max())
     assert manifest["config_name"] == "tiny_llama" and manifest["tokenizer"] == GGUF_TOKENIZER_FILE
     assert json.loads((out / GGUF_TOKENIZER_FILE).read_text())["tokenizer.ggml.model"] == tokenizer
     converted = ChatSession(loop.run_until_complete(open_model(gpu, test_library, Artifact(folder_readers(out)),
