@@ -170,6 +170,8 @@ def add_page(sub) -> None:
     page.add_argument("--lab-iters", type=int, help="the lab's timed calls per row (default: the page's)")
     page.add_argument("--gguf", type=Path, help="after Ready, open this GGUF through the page's file input and run "
                                                 "the turns on it at once (as a user would, while the page keeps it)")
+    page.add_argument("--context", type=int, help="the context the page asks for (?context=; default 4096): a "
+                                                   "model's own may cap it, e.g. a GGUF's context length")
     page.add_argument("--root", type=Path, default=STATIC)
     page.add_argument("--json", type=Path, help="also write every figure as JSON (with --lab: the lab's export)")
     add_run_options(page, leave_out=("max_context",))  # the page's URL takes them (?layout=shards:8, ...)

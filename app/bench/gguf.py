@@ -18,7 +18,7 @@ from pathlib import Path
 
 from chat.session import ChatSession
 from model_glue.sources import GGUFFile, open_model
-from contract.model import ALL_MODEL_CONFIGS, synthetic_config_name
+from contract.model import ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, synthetic_config_name
 from model_glue.gpu.artifact import KernelLibrary
 from model_glue.formats.gguf_file import file_reader
 from model_glue.options import RunOptions
@@ -35,7 +35,8 @@ def write_shape_gguf(shape: str, types: dict, path: Path) -> Path:
     template = "{{ bos_token }}<|start_header_id|>" if pre == "llama-bpe" else "<|im_start|>"
     started = time.perf_counter()
     write_llama_gguf(path, config, types=types, tokenizer="gpt2", pre=pre, chat_template=template,
-                     rope_freqs=config.rope_scaling is not None, seed=1, dense=False)
+                     rope_freqs=config.rope_scaling is not None, seed=1, dense=False,
+                     context_length=DEFAULT_CONTEXT_LENGTH)  # room for the page's long document
     print(f"wrote {path.name}: {shape} shape, {types}, {os.path.getsize(path) / 2**20:,.0f} MiB in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     return path

@@ -138,19 +138,21 @@ def sentencepiece_vocab(size: int, rng) -> tuple[list[str], list[float], list[in
 
 def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, tokenizer: str = "gpt2",
                      pre: str = "smollm", chat_template: str | None = None, seed: int = 0,
-                     rope_freqs: bool = False, extra_tensor: tuple | None = None, dense: bool = True) -> dict:
+                     rope_freqs: bool = False, extra_tensor: tuple | None = None, dense: bool = True,
+                     context_length: int = 4096) -> dict:
     """Write a llama GGUF of `config` with random weights; `types` picks each role's tensor type
     ("matrix", "embed", "head", "norm"; default Q4_0 / Q8_0 / Q8_0 / F32), a layer matrix's own where
     given ("down", or "down.1" for layer 1's: a llama.cpp mix such as Q4_K_M's). Returns gguf's dequantized
     dense weights under the runtime's names (embed, head, layers.i.qkv, ...), the f64 reference's input
-    (with `dense` False nothing is dequantized or kept: a benchmark's large file)."""
+    (with `dense` False nothing is dequantized or kept: a benchmark's large file). `context_length` is
+    the file's own, which caps the context it opens with."""
     types = {"matrix": "Q4_0", "embed": "Q8_0", "head": "Q8_0", "norm": "F32", **(types or {})}
     keep_dense = dense
     rng = np.random.default_rng(seed)
     c = config
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(c.n_layers)
-    writer.add_context_length(4096)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(c.dim)
     writer.add_feed_forward_length(c.ffn_dim)
     writer.add_head_count(c.n_heads)

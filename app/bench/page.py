@@ -371,7 +371,8 @@ def run_page_bench(args) -> dict:
     httpd = make_server(args.root, host="127.0.0.1", port=0, hooks=True)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     model = "off" if args.lab else args.model
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python",
+    context = {"context": args.context} if args.context else {}  # the page's ?context= (its default: 4,096)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python", **context,
                                                                         **given_options(args)}, safe=":,")
     result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
               "switch_at": constants()["SWITCH_AT"], "loads": []}
