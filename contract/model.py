@@ -177,6 +177,11 @@ def q8a_code_position(c: int) -> tuple[int, int]:
     return (c // 8) * 2 + c % 2, (c % 8) // 2
 
 
+def q8a_weight_at(word, byte):
+    """The inverse: the weight of a Q8A block at `byte` of its `word` (ints, or TIR expressions)."""
+    return 8 * (word // 2) + word % 2 + 2 * byte
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One weight tensor (convert/weights.py documents the packing). `role` says what it holds:

@@ -40,7 +40,7 @@ import numpy as np
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, matrix_format,
-                            q8a_code_position)
+                            q8a_weight_at)
 
 ALIGN = 256
 QBLOCK = 32  # elements per Q4 / Q8 block
@@ -86,11 +86,7 @@ def unpack_q8(words: np.ndarray) -> np.ndarray:
 
 def q8a_word_order() -> np.ndarray:
     """The weight (of its block of Q8A_BLOCK) at each byte of a Q8A block's 4 words, in memory order."""
-    order = np.zeros(Q8A_BLOCK, np.int64)
-    for c in range(Q8A_BLOCK):
-        word, byte = q8a_code_position(c)
-        order[4 * word + byte] = c
-    return order
+    return np.array([q8a_weight_at(word, byte) for word in range(Q8A_BLOCK // 4) for byte in range(4)])
 
 
 def pack_q8a(codes: np.ndarray) -> np.ndarray:

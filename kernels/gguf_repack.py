@@ -26,7 +26,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.gguf import EXACT_REPACKS, GGML_TYPES
-from contract.model import Q8A_BLOCK
+from contract.model import Q8A_BLOCK, q8a_weight_at
 
 THREADS = 256
 WORKGROUPS = 1024
@@ -401,12 +401,6 @@ def _exact_q8_0(BLOCK_BYTES):
     return repack
 
 
-def _q8a_weight(h, w, b):
-    """The weight (of a 32-weight block) at byte b of word w of Q8A block h: 8 (w / 2) + w % 2 + 2 b of
-    that block (contract.model.q8a_code_position inverted)."""
-    return h * Q8A_BLOCK + 8 * T.shift_right(w, 1) + T.bitwise_and(w, 1) + 2 * b
-
-
 def _byte_at(code, b):
     """An int32 code in -128..127 as byte b of a u32."""
     return T.shift_left(T.bitwise_and(T.reinterpret("uint32", code), T.uint32(0xFF)), T.Cast("uint32", 8 * b))
@@ -444,7 +438,7 @@ def _exact_q8a(source, SUB_BLOCKS, BLOCK_BYTES):
                                     word[0] = T.uint32(0)
                                     for b in T.serial(4):
                                         word[0] = T.bitwise_or(word[0], _byte_at(
-                                            code(raw, base, sub, _q8a_weight(h, w, b), c), b))
+                                            code(raw, base, sub, h * Q8A_BLOCK + q8a_weight_at(w, b), c), b))
                                     q8a[(out_block + i) * 8 + h * 4 + w] = word[0]
                                 if source == "Q6_K":
                                     scale[(out_block + i) * HALVES + h] = c[0] * T.Cast(
@@ -493,7 +487,7 @@ def _requant_q8a(constants, value, SUB_BLOCKS, BLOCK_BYTES):
                                 for w in T.serial(4):
                                     word[0] = T.uint32(0)
                                     for b in T.serial(4):
-                                        level: T.let[T.float32] = T.round((v[_q8a_weight(h, w, b)] - lo_hi[0]) * inverse)
+                                        level: T.let[T.float32] = T.round((v[h * Q8A_BLOCK + q8a_weight_at(w, b)] - lo_hi[0]) * inverse)
                                         word[0] = T.bitwise_or(word[0], _byte_at(T.Cast("int32", T.min(T.max(
                                             level, T.float32(0)), T.float32(Q8A_LEVELS))) - Q8A_OFFSET, b))
                                     q8a[(out_block + i) * 8 + h * 4 + w] = word[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE
-from contract.model import Q8A_BLOCK
+from contract.model import Q8A_BLOCK, q8a_weight_at
 from kernels.llama_common import BLOCK, THREADS, sign_extend_byte
 
 
@@ -24,8 +24,7 @@ def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
         """The row's weight at byte k of word w: in order (Q8), or by the Q8A block order."""
         if not q8a:
             return w * 4 + k
-        u, h = T.bitwise_and(w, 3) // 2, T.bitwise_and(w, 1)
-        return (w // 4) * Q8A_BLOCK + 8 * u + h + 2 * k
+        return (w // 4) * Q8A_BLOCK + q8a_weight_at(w % 4, k)
 
     def value(word, k, s, wmin, row, w):
         """The weight at byte k of word w of the row: code * scale (+ its block's min, Q8A)."""

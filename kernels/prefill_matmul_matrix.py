@@ -47,7 +47,7 @@ def column_tile(spec: MatmulSpec) -> int:
 def dequantize_w(q8a: bool) -> list[str]:
     """WGSL that writes this thread's row of the step's W tile (its K_STEP weights, as f16) from the
     loaded words: a q4 block's 8 nibbles a word, or two q8a blocks' 4 signed bytes a word (byte b of
-    word u is weight 8 (u / 2) + u % 2 + 2 b of its block: contract.model.q8a_code_position)."""
+    word u is weight 8 (u / 2) + u % 2 + 2 b of its block: contract.model.q8a_weight_at)."""
     if not q8a:
         return ["    for (var word = 0u; word < 4u; word = word + 1u) {",
                 "      for (var e = 0u; e < 8u; e = e + 1u) {",

@@ -179,10 +179,16 @@ def _codes(m, prefix: str = "") -> dict:
 
 
 def _matrix_buffers(m, name: str) -> dict:
-    """A quantized matrix's tensors by their kernels' buffer names: its format's codes, scale, min."""
-    w = m.weights
-    out = {"w": w[codes_tensor(m.config, name)], "scale": w[f"{name}.scale"]}
-    return {**out, "wmin": w[f"{name}.min"]} if f"{name}.min" in w else out
+    """A quantized matrix's tensors by their kernels' buffer names: its format's codes, scale, min
+    (made once a model: every pass binds them; callers copy, never change, the dict)."""
+    bound = m.matrix_bindings.get(name)
+    if bound is None:
+        w = m.weights
+        bound = {"w": w[codes_tensor(m.config, name)], "scale": w[f"{name}.scale"]}
+        if f"{name}.min" in w:
+            bound["wmin"] = w[f"{name}.min"]
+        m.matrix_bindings[name] = bound
+    return bound
 
 
 def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x, y, *, norm=None, resid=None,

@@ -51,6 +51,7 @@ class LlamaModel:
         self.esize = DTYPE_BYTES[dtype]
         self.weights = weights
         self.requantized: tuple[str, ...] = ()  # matrices a GGUF held as floats, quantized at load (loading)
+        self.matrix_bindings: dict[str, dict] = {}  # matrix -> its tensors by binding name (forward._matrix_buffers)
         # role -> artifact name and the sizes it runs with (contract.kernels.llama_kernels: a kernel is
         # compiled for row widths, not for this model, so its row counts, vocabulary, eps and RoPE
         # values are runtime values)
