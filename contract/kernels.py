@@ -210,6 +210,10 @@ class MatmulSpec:
     # its quantize dispatch would (but sum x^2, 0: the next matmul, down, has no norm): where a
     # workgroup's columns are one 16-value chunk.
     quantizes_y: bool = False
+    # An int8_x matmul with the RMSNorm folded in that reads x and the norm's weight and makes x's codes
+    # and stats itself, every workgroup all of them into workgroup memory (its prologue), rather than
+    # reading a quantize dispatch's: where they fit there beside the lanes' partials (`prologue_fits`).
+    quantizes_x: bool = False
     # A prefill matmul's tokens a tile (PREFILL_TOKEN_TILE, or SHORT_PREFILL_TOKENS for short passes).
     token_tile: int = PREFILL_TOKEN_TILE
     # A prefill matmul on subgroup matrices (kernels.prefill_matmul_matrix: the tensor cores), f16, for
@@ -230,6 +234,9 @@ class MatmulSpec:
                              f"not {self.token_tile}")
         if self.matrix and (not self.tiled or self.weights == "q8" or self.dtype != "float16"):
             raise ValueError("matrix is for an f16 q4 or q8a prefill matmul (f16 fragments)")
+        if self.quantizes_x and not (self.int8_x and self.norm_eps is not None and self.prologue_fits):
+            raise ValueError("quantizes_x is for an int8_x matmul with the norm folded in whose x's codes fit "
+                             f"{WORKGROUP_STORAGE_BYTES} bytes of workgroup memory beside its partials")
         if self.quantizes_y and (self.tiled or self.columns_per_group != 16 or self.rope_append or self.argmax_partials):
             raise ValueError("quantizes_y is for a decode matmul whose workgroup writes one chunk of 16 columns of y")
 
@@ -242,8 +249,10 @@ class MatmulSpec:
     @property
     def buffers(self) -> tuple[str, ...]:
         outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
-        inputs = QUANTIZED_X if self.int8_x else SPLIT_WORKSPACE if self.split_head_dim else ("x",)
-        norm = self.norm_eps is not None and not self.int8_x  # the quantizer applies the norm's weight
+        inputs = ("x",) if self.quantizes_x or not self.int8_x and not self.split_head_dim else \
+            QUANTIZED_X if self.int8_x else SPLIT_WORKSPACE
+        # the quantizer applies the norm's weight, unless the matmul quantizes x itself
+        norm = self.norm_eps is not None and (self.quantizes_x or not self.int8_x)
         return inputs + ("norm",) * norm + ("w", "scale") + ("wmin",) * (self.weights != "q8") \
             + ("resid",) * self.residual + outputs + ("best",) * self.argmax_partials + QUANTIZED_Y * self.quantizes_y
 
@@ -262,7 +271,8 @@ class MatmulSpec:
             rows = f"_n{self.compiled_rows}{rows}"
         out = f"_out{DTYPE_TAGS[self.out_dtype]}" if self.out_dtype not in (None, self.dtype) else ""
         subgroups = f"_sg{self.subgroup_lanes}" if self.subgroup_lanes else ""
-        subgroups += ("_xi8" if self.int8_x else "") + ("_yi8" if self.quantizes_y else "")
+        subgroups += ("_xi8" if self.int8_x else "") + ("_xq" if self.quantizes_x else "") + \
+            ("_yi8" if self.quantizes_y else "")
         return (f"matmul_{'prefill' if self.tiled else 'decode'}_{self.weights}_k{self.in_features}{folds}{rows}"
                 f"{subgroups}{out}_{DTYPE_TAGS[self.dtype]}")
 
@@ -272,6 +282,14 @@ class MatmulSpec:
         start out_features / 2 rows on (a runtime offset there cost the 8B shape's decode step 1% on
         the H200: docs/benchmarks.md); None where out_features is a runtime value."""
         return self.out_features if self.swiglu and not self.tiled else None
+
+    @property
+    def prologue_fits(self) -> bool:
+        """Whether a quantizes_x prologue's codes and stats of x (a u32x4 and an f32x4 a chunk of 16) fit
+        workgroup memory beside the lanes' partials (and their x^2 sums) and y's chunk (quantizes_y)."""
+        codes = 32 * (self.in_features // 16)
+        partials = 4 * (self.rows_per_thread * MATMUL_ROWS * 32 + 32)
+        return codes + partials + 4 * self.columns_per_group <= WORKGROUP_STORAGE_BYTES
 
     @property
     def values(self) -> dict:
@@ -389,6 +407,8 @@ LAYER_MATMULS = {Matmul.NORM_QKV: "qkv", Matmul.QKV: "qkv", Matmul.O_RESIDUAL: "
 INT8_X_SUFFIX = "_xi8"
 INT8_X_MATMULS = {Matmul.NORM_QKV_ROPE_APPEND: Role.QUANTIZE_NORM, Matmul.O_RESIDUAL: Role.QUANTIZE_ATTN,
                   Matmul.NORM_GATE_UP_SWIGLU: Role.QUANTIZE_NORM, Matmul.DOWN_RESIDUAL: Role.QUANTIZE_FFN}
+# ... those whose x is normed, which may quantize it in their prologue instead (MatmulSpec.quantizes_x)
+NORMED_INT8_X_MATMULS = (Matmul.NORM_QKV_ROPE_APPEND, Matmul.NORM_GATE_UP_SWIGLU)
 
 
 def matmul_role(matmul: Matmul, *, prefill: bool = False, short: bool = False, matrix: bool = False,
@@ -407,7 +427,8 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     with `int8_x` each of INT8_X_MATMULS also has its int8_x form (role + INT8_X_SUFFIX) and the
     quantizers are roles too (a split call's merge then runs in `Role.QUANTIZE_MERGE`); where the
     gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
-    (MatmulSpec.quantizes_y: no quantizer before down). With `prefill_matrix` (f16) the folded prefill
+    (MatmulSpec.quantizes_y: no quantizer before down); where x's codes fit workgroup memory, the
+    normed ones (qkv, gate/up) quantize their x in their prologues (MatmulSpec.quantizes_x). With `prefill_matrix` (f16) the folded prefill
     matmuls also have their subgroup-matrix builds (role + MATRIX_SUFFIX, `matrix_roles`)."""
     roles = _llama_kernels(c, dtype)
     if prefill_matrix:
@@ -421,6 +442,9 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     gate_up = matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True)
     if int8_roles[gate_up].columns_per_group == 16:  # a workgroup's columns are one chunk: it quantizes y for down
         int8_roles[gate_up] = replace(int8_roles[gate_up], quantizes_y=True)
+    normed = [matmul_role(m, int8_x=True) for m in NORMED_INT8_X_MATMULS]
+    if all(int8_roles[role].prologue_fits for role in normed):  # x's codes made in their prologues: no quantizer
+        int8_roles.update({role: replace(int8_roles[role], quantizes_x=True) for role in normed})
     return {**roles, **int8_roles, **quantizer_roles(c, dtype)}
 
 
@@ -444,6 +468,13 @@ def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
 def matmul_subgroup_lanes(specs: dict) -> int | None:
     """The subgroup build (MatmulSpec.subgroup_lanes) of a llama_kernels dict's decode matmuls."""
     return specs[matmul_role(Matmul.DOWN_RESIDUAL)].subgroup_lanes
+
+
+def normed_x_in_prologue(specs: dict) -> bool:
+    """Whether an int8_x decode step's normed matmuls (qkv, gate/up) quantize x in their prologues
+    (MatmulSpec.quantizes_x): no quantizer dispatch before them."""
+    spec = specs.get(matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True))
+    return spec is not None and spec.quantizes_x
 
 
 def down_codes_from_gate_up(specs: dict) -> bool:

@@ -24,6 +24,10 @@ from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
 
 WEBGPU_TARGET = tvm.target.Target("webgpu", host="llvm")
+# A PrimFunc attribute: TVM's storage rewrite must not let one workgroup buffer reuse another's storage.
+# It does so whatever their types, which WGSL cannot express: a kernel whose workgroup buffers of
+# different types live one after the other sets it (the decode matmuls' quantizes_x prologue).
+KEEP_WORKGROUP_BUFFERS_APART = "project.keep_workgroup_buffers_apart"
 # The same with WebGPU's subgroup operations (T.webgpu.subgroup_shuffle*): the WGSL then starts with
 # `enable subgroups;` and needs a device with the `subgroups` feature.
 WEBGPU_SUBGROUPS_TARGET = tvm.target.Target({"kind": "webgpu", "supports_subgroups": True, "host": "llvm"})
@@ -54,7 +58,10 @@ def build_kernel(name: str, func: tirx.PrimFunc, meta: dict, buffers: tuple[str,
     func = func.with_attr("global_symbol", name)
     mod = tvm.IRModule({name: func})
     # Without this, TVM hoists common subexpressions of the host side into extra PODArgs.
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+    config = {"tirx.disable_cse_tir": True}
+    if func.attrs is not None and KEEP_WORKGROUP_BUFFERS_APART in func.attrs:
+        config["tirx.disable_storage_rewrite"] = True
+    with tvm.transform.PassContext(config=config):
         mod = tirx.transform.BindTarget(target)(mod)
         pipeline, _finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
         mod = pipeline(mod)

@@ -20,6 +20,7 @@ from tvm.script import tirx as T
 from contract.kernels import MATMUL_ROWS, MatmulSpec
 from contract.model import Q8A_BLOCK, q8a_code_position
 from kernels.llama_common import BLOCK, sign_extend_byte
+from kernels.quantize_x import BYTE, CODE_MAX, VEC, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
 ROWS, LANES = MATMUL_ROWS, 32  # a workgroup: ROWS threads (threadIdx.y) of LANES lanes (threadIdx.x)
 TOKENS = 1  # tokens a workgroup: the decode step and the head run one (prefill: kernels.prefill_matmul)
@@ -231,19 +232,74 @@ def dot_float_chunk(g, x, norm, merged, xv4, nq, partial, word, ws, wm, acc, squ
 
 
 @T.macro
-def dot_int8_chunk(g, xq, xstats, xw, xst, word, ws, wm, acc, squares, r, tok0, n, wi):
+def dot_int8_chunk(g, xq, xstats, xrow, xw, xst, word, ws, wm, acc, squares, r, tok0, n, wi):
     """acc[p] += this thread's row p's chunk wi . x's, x as kernels.quantize_x's codes c and stats
-    (d, d * sum c, sum x^2): s * d * (q . c) + m * d * sum c, the dot with the dequantized codes, with
-    no float work a weight. The quantizer applied the norm's weight; row 0 sums the chunks' x^2."""
+    (d, d * sum c, sum x^2) in row `xrow` of xq, xstats (tok0 in the quantizer's buffers, 0 in the
+    prologue's workgroup copy): s * d * (q . c) + m * d * sum c, the dot with the dequantized codes,
+    with no float work a weight. The quantizer applied the norm's weight; row 0 sums the chunks' x^2."""
     if tok0 < n:  # one token (TOKENS == 1)
-        xw[0] = xq[tok0, wi]
-        xst[0] = xstats[tok0, wi]
+        xw[0] = xq[xrow, wi]
+        xst[0] = xstats[xrow, wi]
         for p in T.unroll(g.rows_per_thread):
             acc[p] = acc[p] + ws[p] * (T.Shuffle([xst[0]], [0]) * T.Cast("float32", int8_dot(g, word, p, xw))) \
                 + wm[p] * T.Shuffle([xst[0]], [1])
         if g.normed:
             if r == 0:
                 squares[0] = squares[0] + T.Shuffle([xst[0]], [2])
+
+
+def chunk_codes(code):
+    """A chunk's four words of codes as one vector."""
+    return T.Shuffle([T.reinterpret("uint32", code[u]) for u in range(XQ_WORDS)], list(range(XQ_WORDS)))
+
+
+def chunk_stats(d, code_sum, squares):
+    """A chunk's stats as kernels.quantize_x writes them: d, d * sum c, sum x^2, 0."""
+    return T.Shuffle([d, d * T.Cast("float32", code_sum), squares, T.float32(0)], [0, 1, 2, 3])
+
+
+def prologue_trips(g: Geometry) -> int:
+    """The workgroup's turns over x's chunks in quantize_x_prologue: one chunk a thread a turn."""
+    return (g.chunks + ROWS * LANES - 1) // (ROWS * LANES)
+
+
+@T.macro
+def quantize_x_prologue(g, x, norm, xq, xstats, xv4, qs, code, r, lane, tok0, n):
+    """xq[0, c], xstats[0, c] (workgroup memory) = what kernels.quantize_x writes for chunk c of token
+    tok0's x times the norm's weight, in the same arithmetic and order, a whole chunk a thread (no
+    meeting in workgroup memory); then the barrier before the dots read them. Every workgroup makes
+    the whole of x's codes: a quantize dispatch and its round trip through memory fewer. qs: 0 the
+    chunk's max |v|, 1 its sum x^2, 2 a vector's; code: the chunk's four words, then their codes' sum."""
+    for k in T.serial(prologue_trips(g)):
+        c: T.let[T.int32] = k * ROWS * LANES + r * LANES + lane
+        if c < g.chunks:
+            if tok0 < n:
+                qs[0] = T.float32(0)
+                qs[1] = T.float32(0)
+                for v in T.unroll(g.x_vecs):
+                    xv4[v] = T.Cast("float32x4", x[tok0, c * g.x_vecs + v])
+                    qs[2] = T.float32(0)
+                    for e in T.unroll(VEC):  # sum x^2 of the unnormed x, a vector at a time as the quantizer adds
+                        qs[2] = qs[2] + T.Shuffle([xv4[v]], [e]) * T.Shuffle([xv4[v]], [e])
+                    qs[1] = qs[1] + qs[2]
+                    xv4[v] = xv4[v] * norm[c * g.x_vecs + v]
+                    for e in T.unroll(VEC):
+                        qs[0] = T.max(qs[0], T.abs(T.Shuffle([xv4[v]], [e])))
+                inv: T.let[T.float32] = T.if_then_else(qs[0] > T.float32(0), T.float32(CODE_MAX) / qs[0],
+                                                       T.float32(0))
+                for u in T.unroll(XQ_WORDS + 1):
+                    code[u] = T.int32(0)
+                for v in T.unroll(g.x_vecs):
+                    for e in T.unroll(VEC):
+                        value_code: T.let[T.int32] = T.Cast("int32", T.floor(
+                            T.float32(0.5) + T.Shuffle([xv4[v]], [e]) * inv))
+                        code[XQ_WORDS] = code[XQ_WORDS] + value_code
+                        code[code_position(v * VEC + e)[0]] = T.bitwise_or(
+                            code[code_position(v * VEC + e)[0]],
+                            T.shift_left(T.bitwise_and(value_code, BYTE), 8 * code_position(v * VEC + e)[1]))
+                xq[0, c] = chunk_codes(code)
+                xstats[0, c] = chunk_stats(qs[0] / T.float32(CODE_MAX), code[XQ_WORDS], qs[1])
+    T.tvm_storage_sync("shared")
 
 
 @T.macro

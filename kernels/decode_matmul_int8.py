@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import MatmulSpec
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
-                                          column_value, dot_int8_chunk, load_weight_chunk, reduce_lanes)
+                                          column_value, dot_int8_chunk, load_weight_chunk, quantize_x_prologue,
+                                          reduce_lanes)
 from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
 
@@ -45,7 +47,7 @@ def quantize_y(g, column_best, total, code, yq, ystats, rb, r, lane, tok0, n):
 
 def int8_x_matmul(spec: MatmulSpec):
     """y[n, out] = x[n, in] @ W^T (+ resid) with W q4 or q8a and x as int8 codes with per-chunk stats (xq,
-    xstats); spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer
+    xstats), or (spec.quantizes_x) x and the norm's weight, made into them by the prologue; spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer
     applied the norm's weight), spec.swiglu as in kernels.decode_matmul_float. With
     spec.quantizes_y (a workgroup's columns are one XQ_CHUNK of y) the epilogue also writes y's codes
     and stats (yq, ystats): the next matmul's quantize dispatch, folded in behind one barrier."""
@@ -53,16 +55,20 @@ def int8_x_matmul(spec: MatmulSpec):
                 rope_append=spec.rope_append is not None, argmax_partials=spec.argmax_partials)
     g = Geometry.of(spec)
     in_features, out_dtype, residual, quantizes_y = g.in_features, g.out_dtype, spec.residual, spec.quantizes_y
+    quantizes_x = spec.quantizes_x
+    x_chunks = g.chunks if quantizes_x else 1  # the prologue's copy of x's codes in workgroup memory
     assert g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK  # a lane's chunk is one chunk of codes
     assert not quantizes_y or g.columns_per_group == XQ_CHUNK
     CPG, width_of = g.columns_per_group, g.out_columns
 
     @T.prim_func(s_tir=True)
-    def matmul(xq_h: T.handle, xstats_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
+    def matmul(x_h: T.handle, norm_h: T.handle, xq_h: T.handle, xstats_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
                resid_h: T.handle, y_h: T.handle, yq_h: T.handle, ystats_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         out_features = T.int32()  # W's rows (gate and up rows with swiglu)
+        x = T.match_buffer(x_h, (n, in_features // 4), f"{g.dtype}x4")  # quantizes_x: x, same bytes as [n, in]
+        norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")  # and the norm's weight
         xq = T.match_buffer(xq_h, (n, g.chunks), "uint32x4")  # a chunk's codes (kernels.quantize_x)
         xstats = T.match_buffer(xstats_h, (n, g.chunks), "float32x4")  # and its d, d * sum c, sum x^2
         w = T.match_buffer(w_h, (g.w_rows(out_features), g.chunks), g.word_vector)
@@ -83,6 +89,12 @@ def int8_x_matmul(spec: MatmulSpec):
                             partial = T.sblock_alloc_buffer((g.partial_words,), "float32", scope="shared")
                             # quantizes_y: the workgroup's chunk of y, as written (named as the head's staging)
                             column_best = T.sblock_alloc_buffer((CPG,), "float32", scope="shared")
+                            # quantizes_x: x's codes and stats, made by the prologue
+                            xq_made = T.sblock_alloc_buffer((1, x_chunks), "uint32x4", scope="shared")
+                            xstats_made = T.sblock_alloc_buffer((1, x_chunks), "float32x4", scope="shared")
+                            xv4 = T.sblock_alloc_buffer((g.x_vecs,), "float32x4", scope="local")  # a chunk of x
+                            qs = T.sblock_alloc_buffer((3,), "float32", scope="local")  # its max, sums of x^2
+                            xcode = T.sblock_alloc_buffer((XQ_WORDS + 1,), "int32", scope="local")  # words, sum
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
                             squares = T.sblock_alloc_buffer((TOKENS,), "float32", scope="local")
                             # this thread's rows' chunks, scales and mins at the current chunk
@@ -100,13 +112,20 @@ def int8_x_matmul(spec: MatmulSpec):
                                 acc[a] = T.float32(0)
                             for j in T.unroll(TOKENS):
                                 squares[j] = T.float32(0)
+                            if quantizes_x:
+                                quantize_x_prologue(g, x, norm, xq_made, xstats_made, xv4, qs, xcode, r, lane, tok0, n)
                             for trips in T.serial(g.trip_groups):
                               for trip in T.unroll(TRIP_UNROLL):  # so that their loads are in flight together
                                 wi: T.let[T.int32] = (trips * TRIP_UNROLL + trip) * LANES + lane  # the chunk
                                 if wi < g.chunks:
                                     load_weight_chunk(g, w, scale, wmin, word, ws, wm, rb, r, wi,
                                                       width_of(out_features))
-                                    dot_int8_chunk(g, xq, xstats, xw, xst, word, ws, wm, acc, squares, r, tok0, n, wi)
+                                    if quantizes_x:
+                                        dot_int8_chunk(g, xq_made, xstats_made, 0, xw, xst, word, ws, wm, acc, squares,
+                                                       r, tok0, n, wi)
+                                    else:
+                                        dot_int8_chunk(g, xq, xstats, tok0, xw, xst, word, ws, wm, acc, squares, r,
+                                                       tok0, n, wi)
                             reduce_lanes(g, acc, squares, partial, r, lane)
                             if lane < TOKENS:  # the epilogue: lane j finishes token j's columns
                                 if tok0 + lane < n:
@@ -121,4 +140,5 @@ def int8_x_matmul(spec: MatmulSpec):
                             if quantizes_y:
                                 quantize_y(g, column_best, total, code, yq, ystats, rb, r, lane, tok0, n)
 
-    return matmul
+    # the prologue's buffers live before `partial` does: TVM would put that f32 array in their storage
+    return matmul.with_attr(KEEP_WORKGROUP_BUFFERS_APART, True) if quantizes_x else matmul

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import PAGE_SIZE, MatmulSpec
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, dot_int8_chunk, load_weight_chunk,
-                                          reduce_lanes)
+                                          quantize_x_prologue, reduce_lanes)
 from kernels.layer_ops import rope_inv_freq
-from kernels.quantize_x import CHUNK as XQ_CHUNK
+from kernels.quantize_x import CHUNK as XQ_CHUNK, WORDS_PER_CHUNK as XQ_WORDS
 
 
 @T.macro
@@ -44,13 +45,14 @@ def rope_append(head_dim, scaled, dtype, total, column, position, slot_index, pa
 
 def qkv_rope_matmul(spec: MatmulSpec):
     """qkv = x[n, in] @ W^T (W q4, q8 or q8a, spec.norm_eps: the RMSNorm folded in), x in `dtype` or as
-    int8 codes (spec.int8_x), then each q and k column rotated with its pair's other column and
+    int8 codes (spec.int8_x: read, or made by the prologue where spec.quantizes_x), then each q and k column rotated with its pair's other column and
     q, k, v stored (spec.rope_append: head_dim and scaling compiled in, heads and base runtime values)."""
     check_folds(spec, "qkv", swiglu=spec.swiglu, residual=spec.residual,
                 split_head_dim=spec.split_head_dim is not None, argmax_partials=spec.argmax_partials,
                 quantizes_y=spec.quantizes_y)
     g = Geometry.of(spec)
-    in_features, dtype, int8_x = g.in_features, g.dtype, spec.int8_x
+    in_features, dtype, int8_x, quantizes_x = g.in_features, g.dtype, spec.int8_x, spec.quantizes_x
+    x_chunks = g.chunks if quantizes_x else 1  # the prologue's copy of x's codes in workgroup memory
     assert not int8_x or (g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK)
     D = spec.rope_append.head_dim
     scaled = spec.rope_append.scaling is not None  # compiled in (contract.kernels.rope_tag)
@@ -98,6 +100,11 @@ def qkv_rope_matmul(spec: MatmulSpec):
                             xw = T.sblock_alloc_buffer((1,), "uint32x4", scope="local")  # int8_x: its codes
                             xst = T.sblock_alloc_buffer((1,), "float32x4", scope="local")  # and stats
                             nq = T.sblock_alloc_buffer((g.x_vecs,), "float32x4", scope="local")  # its norm weights
+                            # quantizes_x: x's codes and stats, made by the prologue
+                            xq_made = T.sblock_alloc_buffer((1, x_chunks), "uint32x4", scope="shared")
+                            xstats_made = T.sblock_alloc_buffer((1, x_chunks), "float32x4", scope="shared")
+                            qs = T.sblock_alloc_buffer((3,), "float32", scope="local")  # a chunk's max, sums of x^2
+                            xcode = T.sblock_alloc_buffer((XQ_WORDS + 1,), "int32", scope="local")  # words, sum
                             # total: 0 a column's dot, 1 sum of x^2, 2 its RoPE pair's dot, 3 the rotated value
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
                             tok0: T.let[T.int32] = tb * TOKENS
@@ -105,14 +112,19 @@ def qkv_rope_matmul(spec: MatmulSpec):
                                 acc[a] = T.float32(0)
                             for j in T.unroll(TOKENS):
                                 squares[j] = T.float32(0)
+                            if quantizes_x:
+                                quantize_x_prologue(g, x, norm, xq_made, xstats_made, xv4, qs, xcode, r, lane, tok0, n)
                             for trips in T.serial(g.trip_groups):
                               for trip in T.unroll(TRIP_UNROLL):  # so that their loads are in flight together
                                 wi: T.let[T.int32] = (trips * TRIP_UNROLL + trip) * LANES + lane  # the chunk
                                 if wi < g.chunks:
                                     load_weight_chunk(g, w, scale, wmin, word, ws, wm, rb, r, wi, out_features)
-                                    if int8_x:
-                                        dot_int8_chunk(g, xq, xstats, xw, xst, word, ws, wm, acc, squares, r, tok0,
-                                                       n, wi)
+                                    if quantizes_x:
+                                        dot_int8_chunk(g, xq_made, xstats_made, 0, xw, xst, word, ws, wm, acc,
+                                                       squares, r, tok0, n, wi)
+                                    elif int8_x:
+                                        dot_int8_chunk(g, xq, xstats, tok0, xw, xst, word, ws, wm, acc, squares, r,
+                                                       tok0, n, wi)
                                     else:
                                         dot_float_chunk(g, x, norm, False, xv4, nq, partial, word, ws, wm, acc,
                                                         squares, r, tok0, n, wi)
@@ -126,4 +138,5 @@ def qkv_rope_matmul(spec: MatmulSpec):
                                                     pages, q, q_heads, kv_heads, rope_exponent, rope_inv_factor,
                                                     rope_ratio, rope_low, rope_span)
 
-    return matmul
+    # the prologue's buffers live before `partial` does: TVM would put that f32 array in their storage
+    return matmul.with_attr(KEEP_WORKGROUP_BUFFERS_APART, True) if quantizes_x else matmul

@@ -60,7 +60,9 @@ TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, sw
 # thread), named by it.
 TEST_DECODE_MATMULS = {"paired_norm_swiglu": (2048, 2048, False, True, True), "long_residual": (40, 4096, True, False, False),
                        "paired_norm_residual": (6144, 256, True, True, False), "quad_norm_swiglu": (16384, 128, False, True, True),
-                       "quad_residual": (16384, 96, True, False, False)}
+                       "quad_residual": (16384, 96, True, False, False),
+                       # x of 288 chunks: a quantizes_x prologue's second turn part-full
+                       "long_norm": (64, 4608, False, True, False)}
 
 
 # Grid matmuls also on Q8A weights (a GGUF's 5- to 8-bit matrices: contract.model), named with this suffix.
@@ -82,11 +84,12 @@ TEST_MATMUL_SUBGROUP_LANES = (8, SERVED_MATMUL_SUBGROUP_LANES)
 
 
 def grid_matmul_name(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
-                             quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False) -> str:
+                     quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False,
+                     quantizes_x: bool = False) -> str:
     prefix = "test_decode_matmul" if flags in TEST_DECODE_MATMULS else "test_prefill_matmul"
     tile = ("_smx" if matrix else "") + (f"_t{token_tile}" if token_tile != PREFILL_TOKEN_TILE else "")
-    return (f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}{'_xi8' * int8_x}{'_yi8' * quantizes_y}"
-            f"{tile}_{DTYPE_TAGS[dtype]}")
+    return (f"{prefix}_{flags}{f'_sg{subgroup_lanes}' if subgroup_lanes else ''}{'_xi8' * int8_x}{'_xq' * quantizes_x}"
+            f"{'_yi8' * quantizes_y}{tile}_{DTYPE_TAGS[dtype]}")
 
 
 def subgroup_builds_for_tests(shape: AttentionShape) -> tuple:
@@ -103,13 +106,14 @@ def grid_shape(head_dim: int, group: int) -> AttentionShape:
 
 
 def grid_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, int8_x: bool = False,
-                     quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False) -> MatmulSpec:
+                     quantizes_y: bool = False, token_tile: int = PREFILL_TOKEN_TILE, matrix: bool = False,
+                     quantizes_x: bool = False) -> MatmulSpec:
     decode = flags in TEST_DECODE_MATMULS
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, grid_weights(flags), residual=residual,
                       norm_eps=1e-5 if norm else None,
                       swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
-                      quantizes_y=quantizes_y, token_tile=token_tile, matrix=matrix)
+                      quantizes_y=quantizes_y, token_tile=token_tile, matrix=matrix, quantizes_x=quantizes_x)
 
 
 # The prefill matmuls' token tiles and subgroup-matrix builds the tests run, (token tile, matrix) by
@@ -121,6 +125,8 @@ TEST_PREFILL_TILES = {"float16": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TO
 
 
 TEST_QUANTIZING_MATMUL = "quad_norm_swiglu"  # 16 columns a workgroup: the int8_x build that quantizes y
+# The normed grid matmuls, each also built to quantize its x in its prologue (MatmulSpec.quantizes_x)
+TEST_PROLOGUE_MATMULS = tuple(flags for flags, (_, _, _, norm, _) in TEST_DECODE_MATMULS.items() if norm)
 
 
 # The quantizers the int8_x tests run (kernels.quantize_x): (dtype, normed, merged head_dim) -> name
@@ -148,14 +154,17 @@ def grid_recipes() -> list[KernelRecipe]:
     recipes += [matrix_prefill_attention_recipe(shape) for shape, _dtype in TEST_PREFILL_ATTENTION]  # every group
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
-            builds = [(None, False, False, tile, matrix)  # (subgroup lanes, int8_x, quantizes_y, token tile, matrix)
+            # (subgroup lanes, int8_x, quantizes_y, token tile, matrix, quantizes_x)
+            builds = [(None, False, False, tile, matrix, False)
                       for tile, matrix in (((PREFILL_TOKEN_TILE, False),) if flags in TEST_DECODE_MATMULS
                                            else TEST_PREFILL_TILES[dtype])]
             if flags in TEST_DECODE_MATMULS:
-                builds += [(lanes, False, False, PREFILL_TOKEN_TILE, False) for lanes in TEST_MATMUL_SUBGROUP_LANES]
-                builds += [(TEST_MATMUL_SUBGROUP_LANES[0], True, False, PREFILL_TOKEN_TILE, False)]
+                builds += [(lanes, False, False, PREFILL_TOKEN_TILE, False, False) for lanes in TEST_MATMUL_SUBGROUP_LANES]
+                builds += [(TEST_MATMUL_SUBGROUP_LANES[0], True, False, PREFILL_TOKEN_TILE, False, False)]
             if flags == TEST_QUANTIZING_MATMUL:
-                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, True, PREFILL_TOKEN_TILE, False))
+                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, True, PREFILL_TOKEN_TILE, False, False))
+            if flags in TEST_PROLOGUE_MATMULS:
+                builds.append((TEST_MATMUL_SUBGROUP_LANES[0], True, False, PREFILL_TOKEN_TILE, False, True))
             for build in builds:
                 spec = grid_matmul_spec(flags, dtype, *build)
                 recipes.append(KernelRecipe(grid_matmul_name(flags, dtype, *build), spec.builder,

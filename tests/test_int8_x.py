@@ -13,8 +13,8 @@ import pytest
 
 from attention_reference import relative_l2
 from contract.kernels import QUANTIZED_X
-from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_QUANTIZERS, TEST_QUANTIZING_MATMUL,
-                         grid_matmul_name, grid_matmul_spec)
+from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PROLOGUE_MATMULS, TEST_QUANTIZERS,
+                         TEST_QUANTIZING_MATMUL, grid_matmul_name, grid_matmul_spec)
 from kernels.quantize_x import CHUNK, CODE_MAX
 from test_prefill_kernels import NP_DTYPE, random_matrix, random_q4, skip_without_f16
 
@@ -128,7 +128,8 @@ def test_quantizer_merges_a_split_call_as_the_merge_kernel_does(loop, gpu, test_
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_int8_x_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     """The quantizer, then the decode matmul reading its codes (each fold; 1, 2 and 4 weight rows a
-    thread; one token and two), against float64."""
+    thread; one token and two), against float64; a normed matmul's quantizes_x build (x's codes made
+    in its prologue) gives the same y, to the bit."""
     skip_without_f16(gpu, dtype)
     if not (gpu.subgroup_min_size and LANES <= gpu.subgroup_min_size):
         pytest.skip(f"{gpu.adapter_name}'s subgroups ({gpu.subgroup_min_size or 'none'}) hold no run of {LANES} lanes")
@@ -136,6 +137,11 @@ def test_int8_x_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
     kernel = loop.run_until_complete(test_library.kernel(grid_matmul_name(flags, dtype, LANES, int8_x=True)))
     spec = grid_matmul_spec(flags, dtype, LANES, int8_x=True)
     assert set(QUANTIZED_X) <= set(kernel.buffer_names) and "x" not in kernel.buffer_names
+    prologue = None
+    if flags in TEST_PROLOGUE_MATMULS:
+        prologue = loop.run_until_complete(test_library.kernel(grid_matmul_name(flags, dtype, LANES, int8_x=True,
+                                                                                quantizes_x=True)))
+        assert {"x", "norm"} <= set(prologue.buffer_names) and not set(QUANTIZED_X) & set(prologue.buffer_names)
     rng = np.random.default_rng(len(flags))
     words, scale, minv, w = random_matrix(rng, out_features, in_features, spec.weights)
     norm_weight = (1 + 0.2 * rng.standard_normal(in_features)).astype(np.float32) if norm else None
@@ -167,6 +173,12 @@ def test_int8_x_matmul_matches_f64(loop, gpu, test_library, flags, dtype):
         out = np.frombuffer(raw, NP_DTYPE[dtype]).reshape(n, columns).astype(np.float64)
         assert relative_l2(out, quantized) <= QUANTIZED_TOLERANCE[dtype], f"{flags} n={n}: {relative_l2(out, quantized):.2e}"
         assert relative_l2(out, exact) <= INT8_COST, f"{flags} n={n} against unquantized x"
+        if prologue is not None:
+            del buffers["xq"], buffers["xstats"]
+            buffers.update({"x": upload(gpu, x), "norm": upload(gpu, norm_weight)})
+            raw, = run(loop, gpu, prologue, buffers, {"n": n, **spec.values}, [("y", n * columns * x.itemsize)])
+            assert np.array_equal(np.frombuffer(raw, NP_DTYPE[dtype]).reshape(n, columns), out.astype(NP_DTYPE[dtype])), \
+                f"{flags} n={n}: the prologue's codes differ from the quantizer's"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

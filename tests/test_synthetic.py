@@ -133,8 +133,9 @@ def rel_l2(a, b):
     ("tiny_llama", {"tied_embeddings": False}, "float16", 1e-2, False),  # the head's own matrix, as in the 8B shape
     ("llama-3.2-1b", {"n_layers": 1}, "float16", 1e-2, False),
     ("llama-3.1-8b", {"n_layers": 1}, "float16", 1e-2, False),
-    # the int8_x decode matmuls, gate/up's epilogue quantizing down's x (16 columns a workgroup); a
-    # smaller vocabulary keeps the embedding within lavapipe's binding limit
+    # the int8_x decode matmuls: gate/up's epilogue quantizes down's x (16 columns a workgroup), qkv and
+    # gate/up quantize theirs in their prologues; a smaller vocabulary keeps the embedding within
+    # lavapipe's binding limit
     ("llama-3.2-1b", {"n_layers": 1, "vocab_size": 16384}, "float16", 3e-2, True),
 ], ids=["tiny-f32", "tiny-untied-f16", "llama-3.2-1b-one-layer", "llama-3.1-8b-one-layer", "llama-3.2-1b-int8-x"])
 def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overrides, dtype, tolerance, int8_x):
@@ -149,7 +150,7 @@ def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overri
         options=RunOptions(max_context=512, warm_up=False, **(
             {"fold_norms": True, "matmul_subgroups": True, "matmul_int8_x": True} if int8_x else {}))))
     try:
-        assert model.down_codes_from_gate_up == int8_x
+        assert model.down_codes_from_gate_up == model.normed_x_in_prologue == int8_x
         dense = dense_weights(loop, gpu, model)
         assert ("head" in dense) == (not model.config.tied_embeddings)
         reference = ReferenceLlama(model.config.to_dict(), dense)

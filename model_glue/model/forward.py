@@ -10,7 +10,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
-from contract.kernels import INT8_X_MATMULS, MATRIX_MATMULS, SPLIT_WORKSPACE, Matmul, Role, matmul_role
+from contract.kernels import (INT8_X_MATMULS, MATRIX_MATMULS, NORMED_INT8_X_MATMULS, SPLIT_WORKSPACE, Matmul, Role,
+                              matmul_role)
 from contract.model import codes_tensor, head_tensor
 from model_glue.model.attention import attention_call, attention_dispatches
 from model_glue.gpu.kernel import DispatchPlan
@@ -19,11 +20,12 @@ from model_glue.model.step_stats import PassStamps
 
 
 def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False,
-                  prefill_matrix: bool = False) -> list[str]:
+                  prefill_matrix: bool = False, normed_x_in_prologue: bool = False) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
     and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler,
     (`o_merges`: the shape has it) the o-projection that merges a split attention call,
-    (`int8_x`, with folded norms) the decode matmuls' quantizers, the prefill matmuls' short tiles
+    (`int8_x`, with folded norms) the decode matmuls' quantizers (the normed matmuls' not where
+    `normed_x_in_prologue`: they quantize x themselves), the prefill matmuls' short tiles
     and (`prefill_matrix`, with folded norms) their subgroup-matrix builds. Only these are compiled."""
     matmuls = [Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL] if fold_norms \
         else [Matmul.QKV, Matmul.O_RESIDUAL, Matmul.GATE_UP, Matmul.DOWN_RESIDUAL]
@@ -32,7 +34,9 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     fused += [matmul_role(Matmul.O_RESIDUAL_MERGE)] if o_merges else []
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
         fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
-        fused += sorted(set(INT8_X_MATMULS.values())) + [Role.QUANTIZE_MERGE]
+        quantized = [m for m in INT8_X_MATMULS if not (normed_x_in_prologue and m in NORMED_INT8_X_MATMULS)]
+        quantizers = {INT8_X_MATMULS[m] for m in quantized}
+        fused += sorted(quantizers) + [Role.QUANTIZE_MERGE]
     prefill = [matmul_role(m, prefill=True, short=short) for short in (False, True) for m in matmuls]
     if prefill_matrix and fold_norms:
         prefill += [matmul_role(m, prefill=True, short=short, matrix=True) for m in MATRIX_MATMULS
@@ -198,16 +202,19 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x,
     states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
     epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
     (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
-    given as codes, its quantizer runs first, with the norm's weight."""
+    given as codes, its quantizer runs first, with the norm's weight, unless the matmul makes them
+    itself (PassPlan.normed_x_in_prologue: it reads x and the norm's weight)."""
     w, n = m.weights, plan.n
     int8_x = plan.int8_x and matmul in INT8_X_MATMULS
+    quantizes_x = int8_x and plan.normed_x_in_prologue and matmul in NORMED_INT8_X_MATMULS
     role = matmul_role(matmul, prefill=n > 1, short=plan.short_tile, matrix=plan.matrix_matmuls, int8_x=int8_x)
     given_codes = isinstance(x, dict) and "xq" in x
-    if int8_x and not given_codes:
+    reads_codes = int8_x and not quantizes_x
+    if reads_codes and not given_codes:
         _quantize_x(m, enc, INT8_X_MATMULS[matmul], x, norm)
     if given_codes or (isinstance(x, dict) and not int8_x):
         buffers = dict(x)  # codes written before, or the partial states the merging o-projection reads
-    elif int8_x:
+    elif reads_codes:
         buffers = _codes(m)  # what its quantizer just wrote
     else:
         buffers = {"x": x}
@@ -215,7 +222,7 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x,
         buffers.update({"yq": y_codes["xq"], "ystats": y_codes["xstats"]})
     buffers.update(_matrix_buffers(m, weight))
     buffers.update(rope_io or {"y": y})
-    if norm is not None and not int8_x:
+    if norm is not None and not reads_codes:
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid

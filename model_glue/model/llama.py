@@ -17,7 +17,7 @@ from array import array
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
-from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, matmul_role, matmul_subgroup_lanes,
+from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, normed_x_in_prologue, matmul_role, matmul_subgroup_lanes,
                               prefill_matrix)
 from model_glue.model.attention import AttentionKernels
 from model_glue.errors import ModelError
@@ -60,6 +60,7 @@ class LlamaModel:
         self.matmul_subgroup_lanes = matmul_subgroup_lanes(kernel_specs)  # lanes reduced by shuffles, or None
         self.matmul_int8_x = matmul_int8_x(kernel_specs)  # decode matmuls read int8 codes of x (with folded norms)
         self.down_codes_from_gate_up = down_codes_from_gate_up(kernel_specs)  # ... down's from gate/up's epilogue
+        self.normed_x_in_prologue = normed_x_in_prologue(kernel_specs)  # ... qkv's and gate/up's their own
         # prefill matmuls on subgroup matrices are loaded; if not, why not (RunOptions.prefill_matrix)
         self.has_prefill_matrix = prefill_matrix(kernel_specs)
         self.prefill_matrix_why_not = None if self.has_prefill_matrix else prefill_matrix_why_not
@@ -116,7 +117,8 @@ class LlamaModel:
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
         roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names,
-                              int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix)
+                              int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix,
+                              normed_x_in_prologue=self.normed_x_in_prologue)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
@@ -199,7 +201,8 @@ class LlamaModel:
         matrix = n > 1 and self.runs_prefill_matrix()
         return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),
                         o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x,
-                        down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up, matrix_matmuls=matrix,
+                        down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up,
+                        normed_x_in_prologue=int8_x and self.normed_x_in_prologue, matrix_matmuls=matrix,
                         short_tile=n > 1 and short_token_tile(n, matrix))
 
     def attention_kernels(self, choice: AttentionChoice) -> list:

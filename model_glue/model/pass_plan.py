@@ -33,6 +33,7 @@ class PassPlan:
     quantizer_merges: bool = False  # ... or the o-projection's int8 quantizer does
     int8_x: bool = False  # the decode matmuls read int8 codes of x (MatmulSpec.int8_x)
     down_codes_from_gate_up: bool = False  # ... and gate/up's epilogue writes down's (MatmulSpec.quantizes_y)
+    normed_x_in_prologue: bool = False  # ... and qkv's and gate/up's prologues make theirs (MatmulSpec.quantizes_x)
     matrix_matmuls: bool = False  # the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)
     short_tile: bool = False  # the prefill matmuls' short token tile
 
