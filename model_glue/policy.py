@@ -67,9 +67,10 @@ def pick_matmul_subgroup_lanes(library, config: LlamaConfig, dtype: str, device,
     return None
 
 
-# The int8_x decode matmuls by default only for models at least this wide: their quantizers add 2-3
-# dispatches a layer, which the widest shapes' matmuls repay and the smaller ones do not.
-INT8_X_MIN_DIM = 4096
+# The int8_x decode matmuls by default only for models at least this wide: their quantizers (before o,
+# and before down where gate/up cannot write its codes) add dispatches that the 1B shape's matmuls
+# repay and SmolLM2's do not.
+INT8_X_MIN_DIM = 2048
 
 
 def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | None, wanted: bool | None,
