@@ -103,10 +103,10 @@ class RunOptions:
             raise ModelError(f"pipeline_depth must be 2..{MAX_PIPELINE_DEPTH} passes, not {self.pipeline_depth!r}")
         return self
 
-    def resolved(self, *, is_cpu: bool, context_length: int) -> "RunOptions":
+    def resolved(self, *, is_cpu: bool, context_length: int, timestamps_inside_passes: bool = False) -> "RunOptions":
         """Every None filled with this adapter's default; max_context capped at the model's context."""
         self.check()
-        defaults = option_defaults(is_cpu)
+        defaults = option_defaults(is_cpu, timestamps_inside_passes)
         return replace(self, max_context=min(self.max_context or context_length, context_length),
                        **{name: defaults[name] if getattr(self, name) is None else getattr(self, name)
                           for name in defaults})

@@ -79,7 +79,9 @@ function showAdapter(device, probe) {
   definitionList($("adapter"), [
     ["name", device.adapter], ["backend", device.backend],
     ["shader-f16", device.shader_f16_note],
-    ["timestamp-query", device.timestamp_query ? "yes" : "no (no attention timings)"],
+    ["timestamp-query", !device.timestamp_query ? "no (no attention timings)"
+      : device.timestamps_inside_passes ? "yes, inside passes (attention timed every step)"
+      : "yes, at pass boundaries (attention timed in sampled steps)"],
     ["subgroups", device.subgroup_min_size
       ? `${device.subgroup_min_size}-${device.subgroup_max_size} invocations (subgroup attention kernels)`
       : "no (shards attention kernels)"],

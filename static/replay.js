@@ -4,7 +4,8 @@
 //
 // ops: [0, passDescriptor] begins a pass, [1, pipeline, bindGroup] dispatches (its grid is the
 // next three entries of `grids`, which Python rewrites when a per-step kernel's grid changes),
-// [2] ends the pass.
+// [2] ends the pass, [3, querySet, index] writes a timestamp inside it
+// (chromium-experimental-timestamp-query-inside-passes).
 export function replayComputePasses(encoder, ops, grids) {
   let pass = null;
   let g = 0;
@@ -16,6 +17,8 @@ export function replayComputePasses(encoder, ops, grids) {
       g += 3;
     } else if (op[0] === 0) {
       pass = encoder.beginComputePass(op[1]);
+    } else if (op[0] === 3) {
+      pass.writeTimestamp(op[1], op[2]);
     } else {
       pass.end();
       pass = null;

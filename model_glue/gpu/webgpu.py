@@ -33,7 +33,10 @@ BUFFER_LIMITS = ("maxStorageBufferBindingSize", "maxBufferSize")  # weights and 
 REQUESTED_LIMITS = KERNEL_LIMITS + BUFFER_LIMITS
 # Chromium's experimental subgroup matrices (the tensor cores) run the prefill matmuls' matrix builds.
 SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
-OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups", SUBGROUP_MATRIX)
+# Timestamps written between dispatches inside a compute pass (`Batch.timed`), not only at its ends: a
+# span is then timed without a pass of its own (Chromium's experimental name; wgpu's maps to it).
+TIMESTAMPS_INSIDE_PASSES = "chromium-experimental-timestamp-query-inside-passes"
+OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups", SUBGROUP_MATRIX, TIMESTAMPS_INSIDE_PASSES)
 
 
 def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
@@ -73,6 +76,7 @@ class Device:
         self.limits = limits
         self.has_f16 = "shader-f16" in self.features
         self.has_timestamps = "timestamp-query" in self.features
+        self.timestamps_inside_passes = self.has_timestamps and TIMESTAMPS_INSIDE_PASSES in self.features
         # WGSL's dot4I8Packed (the int8 decode matmuls, MatmulSpec.int8_x): a WGSL language feature,
         # not a device feature; wgpu 0.32's naga compiles it (seen on lavapipe and an H200), a
         # browser says whether it does in navigator.gpu.wgslLanguageFeatures (BrowserDevice.open)
@@ -207,6 +211,7 @@ class Device:
             "cpu": self.is_cpu,
             "shader_f16": self.has_f16,
             "timestamp_query": self.has_timestamps,
+            "timestamps_inside_passes": self.timestamps_inside_passes,
             "subgroup_min_size": self.subgroup_min_size,
             "subgroup_max_size": self.subgroup_max_size,
             "subgroup_matrix_configs": [f"{a}->{r} {m}x{n}x{k}" for a, r, m, n, k in self.subgroup_matrix_configs],
@@ -218,8 +223,10 @@ class Batch:
     """One command encoder: compute dispatches and copies, submitted together.
 
     Untimed dispatches share one open compute pass (WebGPU orders their storage accesses
-    dispatch by dispatch); a timed dispatch gets a pass of its own, because timestamps are written
-    at pass boundaries. Fewer passes means less encoding work per decode step.
+    dispatch by dispatch). A span timed with `timed` stays in that pass where the device writes
+    timestamps inside passes (Device.timestamps_inside_passes), else it gets a pass of its own,
+    since timestamps are then written only at pass boundaries; a dispatch timed alone (the
+    profiler's) always gets its own pass. Fewer passes means less encoding work per decode step.
     """
 
     def __init__(self, device: Device):
@@ -237,7 +244,7 @@ class Batch:
         """Dispatch; `timestamps=(Timestamps, begin_index, end_index)` brackets it alone.
         `source` (a BoundKernel, whose `grid` a replay reads) is what a tape records."""
         if timestamps is not None:
-            with self.timed(timestamps):
+            with self.timed(timestamps, own_pass=True):
                 self.dispatch(pipeline, bind_group, grid, source=source)
             return
         if self._open_pass is None:
@@ -267,17 +274,34 @@ class Batch:
         self.dispatches += recorded.dispatches
 
     @contextmanager
-    def timed(self, timestamps: tuple):
-        """Dispatches inside run in one compute pass whose start and end write `timestamps`
-        (Timestamps, begin_index, end_index): e.g. a split attention's partial and merge kernels.
-        Either index may be None (that end writes no timestamp). Within a pass WebGPU still
-        orders each dispatch's storage writes before the next one."""
+    def timed(self, timestamps: tuple, own_pass: bool = False):
+        """The dispatches inside are bracketed by `timestamps` (Timestamps, begin_index, end_index),
+        e.g. a split attention's partial and merge kernels; either index may be None (that end
+        writes no timestamp). Where the device writes timestamps inside passes (and not
+        `own_pass`), they are written between the dispatches of the open pass; else the dispatches
+        run in a compute pass of their own whose start and end write them. Within a pass WebGPU
+        still orders each dispatch's storage writes before the next one."""
+        if self.device.timestamps_inside_passes and not own_pass:
+            queries, begin, end = timestamps
+            self._write_timestamp(queries, begin)
+            yield
+            self._write_timestamp(queries, end)
+            return
         self._close_pass()
         self._begin(timestamps)
         try:
             yield
         finally:
             self._close_pass()
+
+    def _write_timestamp(self, queries: "Timestamps", index: int | None) -> None:
+        if index is None:
+            return
+        if self._open_pass is None:
+            self._begin(None)
+        self.device._write_timestamp(self._open_pass, queries.query_set, index)
+        if self.tape is not None:
+            self.tape.append(("stamp", queries.query_set, index))
 
     def _close_pass(self) -> None:
         if self._open_pass is not None:
@@ -315,7 +339,7 @@ class RecordedPasses:
     a per-step kernel's grid may change). This version walks the tape in Python; each backend has a faster one."""
 
     def __init__(self, device: "Device", tape: list, varying=()):
-        if any(op[0] not in ("begin", "dispatch", "end") for op in tape):
+        if any(op[0] not in ("begin", "dispatch", "stamp", "end") for op in tape):
             raise ValueError("only compute passes can be recorded")
         self.device = device
         self.tape = list(tape)
@@ -329,6 +353,8 @@ class RecordedPasses:
                 device._dispatch_in(compute, bound.kernel.pipeline, bound.bind_group, bound.grid)
             elif op[0] == "begin":
                 compute = device._begin_pass(encoder, op[1])
+            elif op[0] == "stamp":
+                device._write_timestamp(compute, op[1], op[2])
             else:
                 compute.end()
 

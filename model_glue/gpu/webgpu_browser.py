@@ -162,6 +162,9 @@ class BrowserDevice(Device):
         compute.setBindGroup(0, bind_group)
         compute.dispatchWorkgroups(*grid)
 
+    def _write_timestamp(self, compute, query_set, index):
+        compute.writeTimestamp(query_set, index)
+
     def _copy(self, encoder, src, src_offset, dst, dst_offset, nbytes):
         encoder.copyBufferToBuffer(src, src_offset, dst, dst_offset, nbytes)
 
@@ -194,6 +197,8 @@ class BrowserRecordedPasses(RecordedPasses):
                 ops.push(js.Array.of(1, op[1].kernel.pipeline, op[1].bind_group))
             elif op[0] == "begin":
                 ops.push(js.Array.of(0, _js(_pass_descriptor(op[1]))))
+            elif op[0] == "stamp":
+                ops.push(js.Array.of(3, op[1], op[2]))
             else:
                 ops.push(js.Array.of(2))
         self._ops = ops

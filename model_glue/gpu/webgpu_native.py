@@ -12,11 +12,11 @@ import wgpu
 
 from contract.kernels import MAX_INVOCATIONS
 from model_glue.gpu.webgpu import (
-    MAP_READ, OPTIONAL_FEATURES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
+    MAP_READ, OPTIONAL_FEATURES, TIMESTAMPS_INSIDE_PASSES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
 )
 
 # wgpu-py spells WebGPU's "subgroups" feature "subgroup".
-WGPU_FEATURE_NAMES = {"subgroups": "subgroup"}
+WGPU_FEATURE_NAMES = {"subgroups": "subgroup", TIMESTAMPS_INSIDE_PASSES: "timestamp-query-inside-passes"}
 
 
 def subgroup_probe_wgsl(invocations: int = MAX_INVOCATIONS) -> str:
@@ -153,6 +153,11 @@ class WgpuDevice(Device):
         compute.set_bind_group(0, bind_group)
         compute.dispatch_workgroups(*grid)
 
+    def _write_timestamp(self, compute, query_set, index):
+        from wgpu.backends.wgpu_native.extras import write_timestamp  # wgpu's native extension
+
+        write_timestamp(compute, query_set, index)
+
     def _copy(self, encoder, src, src_offset, dst, dst_offset, nbytes):
         encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
 
@@ -189,5 +194,7 @@ class WgpuRecordedPasses(RecordedPasses):
             elif op[0] == "begin":
                 compute = device._begin_pass(encoder, op[1])
                 handle = compute._internal
+            elif op[0] == "stamp":
+                device._write_timestamp(compute, op[1], op[2])
             else:
                 compute.end()
