@@ -198,15 +198,13 @@ def check_folds(spec: MatmulSpec, variant: str, **folds: bool) -> None:
 
 
 @T.macro
-def load_weight_chunk(g, w, scale, wmin, word, ws, wm, rb, r, wi, width, slot=0):
-    """word[k], ws[k], wm[k] = chunk wi of this thread's row p, and its block's scale and min, at
-    k = slot * rows_per_thread + p (slot 0 but for quantizes_x's prefetched first trips)."""
+def load_weight_chunk(g, w, scale, wmin, word, ws, wm, rb, r, wi, width):
+    """word[p], ws[p], wm[p] = chunk wi of this thread's row p, and its block's scale and min."""
     blk: T.let[T.int32] = wi * g.chunk_values // g.block
     for p in T.unroll(g.rows_per_thread):
-        word[slot * g.rows_per_thread + p] = w[g.weight_row(rb, r, p, width), wi]
-        ws[slot * g.rows_per_thread + p] = scale[g.weight_row(rb, r, p, width), blk]
-        wm[slot * g.rows_per_thread + p] = T.if_then_else(g.has_min, wmin[g.weight_row(rb, r, p, width), blk],
-                                                          T.float32(0))
+        word[p] = w[g.weight_row(rb, r, p, width), wi]
+        ws[p] = scale[g.weight_row(rb, r, p, width), blk]
+        wm[p] = T.if_then_else(g.has_min, wmin[g.weight_row(rb, r, p, width), blk], T.float32(0))
 
 
 @T.macro
@@ -234,19 +232,17 @@ def dot_float_chunk(g, x, norm, merged, xv4, nq, partial, word, ws, wm, acc, squ
 
 
 @T.macro
-def dot_int8_chunk(g, xq, xstats, xrow, xw, xst, word, ws, wm, acc, squares, r, tok0, n, wi, slot=0):
+def dot_int8_chunk(g, xq, xstats, xrow, xw, xst, word, ws, wm, acc, squares, r, tok0, n, wi):
     """acc[p] += this thread's row p's chunk wi . x's, x as kernels.quantize_x's codes c and stats
     (d, d * sum c, sum x^2) in row `xrow` of xq, xstats (tok0 in the quantizer's buffers, 0 in the
     prologue's workgroup copy): s * d * (q . c) + m * d * sum c, the dot with the dequantized codes,
-    with no float work a weight; the row's chunk is load_weight_chunk's at `slot`. The quantizer
-    applied the norm's weight; row 0 sums the chunks' x^2."""
+    with no float work a weight. The quantizer applied the norm's weight; row 0 sums the chunks' x^2."""
     if tok0 < n:  # one token (TOKENS == 1)
         xw[0] = xq[xrow, wi]
         xst[0] = xstats[xrow, wi]
         for p in T.unroll(g.rows_per_thread):
-            acc[p] = acc[p] + ws[slot * g.rows_per_thread + p] * (T.Shuffle([xst[0]], [0]) * T.Cast(
-                "float32", int8_dot(g, word, slot * g.rows_per_thread + p, xw))) \
-                + wm[slot * g.rows_per_thread + p] * T.Shuffle([xst[0]], [1])
+            acc[p] = acc[p] + ws[p] * (T.Shuffle([xst[0]], [0]) * T.Cast("float32", int8_dot(g, word, p, xw))) \
+                + wm[p] * T.Shuffle([xst[0]], [1])
         if g.normed:
             if r == 0:
                 squares[0] = squares[0] + T.Shuffle([xst[0]], [2])
@@ -304,24 +300,6 @@ def quantize_x_prologue(g, x, norm, xq, xstats, xv4, qs, code, r, lane, tok0, n)
                 xq[0, c] = chunk_codes(code)
                 xstats[0, c] = chunk_stats(qs[0] / T.float32(CODE_MAX), code[XQ_WORDS], qs[1])
     T.tvm_storage_sync("shared")
-
-
-@T.macro
-def prologue_then_first_trips(g, w, scale, wmin, x, norm, xq, xstats, xv4, qs, code, first_word, first_ws, first_wm,
-                              xw, xst, acc, squares, rb, r, lane, tok0, n, width):
-    """quantizes_x's start: the first TRIP_UNROLL chunks of this thread's rows are loaded into
-    first_word, first_ws, first_wm (TRIP_UNROLL * rows_per_thread each) before the prologue, so
-    that they stream while x is quantized; then the prologue, then their dots. The trip loop
-    goes on from trip group 1."""
-    for trip in T.unroll(TRIP_UNROLL):
-        if trip * LANES + lane < g.chunks:
-            load_weight_chunk(g, w, scale, wmin, first_word, first_ws, first_wm, rb, r, trip * LANES + lane, width,
-                              trip)
-    quantize_x_prologue(g, x, norm, xq, xstats, xv4, qs, code, r, lane, tok0, n)
-    for trip in T.unroll(TRIP_UNROLL):
-        if trip * LANES + lane < g.chunks:
-            dot_int8_chunk(g, xq, xstats, 0, xw, xst, first_word, first_ws, first_wm, acc, squares, r, tok0, n,
-                           trip * LANES + lane, trip)
 
 
 @T.macro

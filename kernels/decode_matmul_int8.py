@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import MatmulSpec
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
-                                          column_value, dot_int8_chunk, load_weight_chunk, prologue_then_first_trips,
+                                          column_value, dot_int8_chunk, load_weight_chunk, quantize_x_prologue,
                                           reduce_lanes)
 from kernels.quantize_x import BYTE, CHUNK as XQ_CHUNK, CODE_MAX, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
@@ -57,8 +57,6 @@ def int8_x_matmul(spec: MatmulSpec):
     in_features, out_dtype, residual, quantizes_y = g.in_features, g.out_dtype, spec.residual, spec.quantizes_y
     quantizes_x = spec.quantizes_x
     x_chunks = g.chunks if quantizes_x else 1  # the prologue's copy of x's codes in workgroup memory
-    first_slots = TRIP_UNROLL * g.rows_per_thread if quantizes_x else 1
-    first_group = 1 if quantizes_x else 0  # the trip groups before it ran with the prologue
     assert g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK  # a lane's chunk is one chunk of codes
     assert not quantizes_y or g.columns_per_group == XQ_CHUNK
     CPG, width_of = g.columns_per_group, g.out_columns
@@ -95,10 +93,6 @@ def int8_x_matmul(spec: MatmulSpec):
                             xq_made = T.sblock_alloc_buffer((1, x_chunks), "uint32x4", scope="shared")
                             xstats_made = T.sblock_alloc_buffer((1, x_chunks), "float32x4", scope="shared")
                             xv4 = T.sblock_alloc_buffer((g.x_vecs,), "float32x4", scope="local")  # a chunk of x
-                            # quantizes_x: the first trips' chunks, loaded before the prologue
-                            first_word = T.sblock_alloc_buffer((first_slots,), g.word_vector, scope="local")
-                            first_ws = T.sblock_alloc_buffer((first_slots,), "float32", scope="local")
-                            first_wm = T.sblock_alloc_buffer((first_slots,), "float32", scope="local")
                             qs = T.sblock_alloc_buffer((3,), "float32", scope="local")  # its max, sums of x^2
                             xcode = T.sblock_alloc_buffer((XQ_WORDS + 1,), "int32", scope="local")  # words, sum
                             acc = T.sblock_alloc_buffer((g.rows_per_thread * TOKENS,), "float32", scope="local")
@@ -119,10 +113,8 @@ def int8_x_matmul(spec: MatmulSpec):
                             for j in T.unroll(TOKENS):
                                 squares[j] = T.float32(0)
                             if quantizes_x:
-                                prologue_then_first_trips(g, w, scale, wmin, x, norm, xq_made, xstats_made, xv4, qs, xcode,
-                                                          first_word, first_ws, first_wm, xw, xst, acc, squares, rb, r,
-                                                          lane, tok0, n, width_of(out_features))
-                            for trips in T.serial(first_group, g.trip_groups):
+                                quantize_x_prologue(g, x, norm, xq_made, xstats_made, xv4, qs, xcode, r, lane, tok0, n)
+                            for trips in T.serial(g.trip_groups):
                               for trip in T.unroll(TRIP_UNROLL):  # so that their loads are in flight together
                                 wi: T.let[T.int32] = (trips * TRIP_UNROLL + trip) * LANES + lane  # the chunk
                                 if wi < g.chunks:

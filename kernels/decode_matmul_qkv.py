@@ -11,7 +11,7 @@ from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import PAGE_SIZE, MatmulSpec
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, dot_int8_chunk, load_weight_chunk,
-                                          prologue_then_first_trips, reduce_lanes)
+                                          quantize_x_prologue, reduce_lanes)
 from kernels.layer_ops import rope_inv_freq
 from kernels.quantize_x import CHUNK as XQ_CHUNK, WORDS_PER_CHUNK as XQ_WORDS
 
@@ -53,8 +53,6 @@ def qkv_rope_matmul(spec: MatmulSpec):
     g = Geometry.of(spec)
     in_features, dtype, int8_x, quantizes_x = g.in_features, g.dtype, spec.int8_x, spec.quantizes_x
     x_chunks = g.chunks if quantizes_x else 1  # the prologue's copy of x's codes in workgroup memory
-    first_slots = TRIP_UNROLL * g.rows_per_thread if quantizes_x else 1
-    first_group = 1 if quantizes_x else 0  # the trip groups before it ran with the prologue
     assert not int8_x or (g.weights in ("q4", "q8a") and g.chunk_values == XQ_CHUNK)
     D = spec.rope_append.head_dim
     scaled = spec.rope_append.scaling is not None  # compiled in (contract.kernels.rope_tag)
@@ -106,10 +104,6 @@ def qkv_rope_matmul(spec: MatmulSpec):
                             xq_made = T.sblock_alloc_buffer((1, x_chunks), "uint32x4", scope="shared")
                             xstats_made = T.sblock_alloc_buffer((1, x_chunks), "float32x4", scope="shared")
                             qs = T.sblock_alloc_buffer((3,), "float32", scope="local")  # a chunk's max, sums of x^2
-                            # quantizes_x: the first trips' chunks, loaded before the prologue
-                            first_word = T.sblock_alloc_buffer((first_slots,), g.word_vector, scope="local")
-                            first_ws = T.sblock_alloc_buffer((first_slots,), "float32", scope="local")
-                            first_wm = T.sblock_alloc_buffer((first_slots,), "float32", scope="local")
                             xcode = T.sblock_alloc_buffer((XQ_WORDS + 1,), "int32", scope="local")  # words, sum
                             # total: 0 a column's dot, 1 sum of x^2, 2 its RoPE pair's dot, 3 the rotated value
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
@@ -119,10 +113,8 @@ def qkv_rope_matmul(spec: MatmulSpec):
                             for j in T.unroll(TOKENS):
                                 squares[j] = T.float32(0)
                             if quantizes_x:
-                                prologue_then_first_trips(g, w, scale, wmin, x, norm, xq_made, xstats_made, xv4, qs, xcode,
-                                                          first_word, first_ws, first_wm, xw, xst, acc, squares, rb, r,
-                                                          lane, tok0, n, out_features)
-                            for trips in T.serial(first_group, g.trip_groups):
+                                quantize_x_prologue(g, x, norm, xq_made, xstats_made, xv4, qs, xcode, r, lane, tok0, n)
+                            for trips in T.serial(g.trip_groups):
                               for trip in T.unroll(TRIP_UNROLL):  # so that their loads are in flight together
                                 wi: T.let[T.int32] = (trips * TRIP_UNROLL + trip) * LANES + lane  # the chunk
                                 if wi < g.chunks:
