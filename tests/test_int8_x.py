@@ -8,14 +8,18 @@ and against the unquantized product with the looser tolerance that int8 codes of
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from attention_reference import relative_l2
-from contract.kernels import QUANTIZED_X
+from contract.kernels import QUANTIZED_X, Role, llama_kernels, normed_x_in_prologue
+from contract.model import SYNTHETIC_CONFIGS
 from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PROLOGUE_MATMULS, TEST_QUANTIZERS,
                          TEST_QUANTIZING_MATMUL, grid_matmul_name, grid_matmul_spec)
 from kernels.quantize_x import CHUNK, CODE_MAX
+from model_glue.model.forward import forward_roles
 from test_prefill_kernels import NP_DTYPE, random_matrix, random_q4, skip_without_f16
 
 LANES = TEST_MATMUL_SUBGROUP_LANES[0]
@@ -210,3 +214,18 @@ def test_a_matmul_quantizing_y_writes_what_the_quantizer_would(loop, gpu, test_l
         assert np.array_equal(np.frombuffer(ystats, np.float32).reshape(n, -1, 4)[..., :2], want_stats[..., :2])
         codes, d, _ = quantize_f64(y.astype(np.float64))
         assert np.abs(unpack_codes(np.frombuffer(yq, np.uint32), n) - codes).max() <= 1
+
+
+def test_the_normed_matmuls_quantize_x_themselves_only_where_the_codes_fit_workgroup_memory():
+    """MatmulSpec.quantizes_x: the 8B shape's qkv and gate/up make x's codes in their prologues (no
+    quantize_norm dispatch); a model too wide for its codes beside the partials in 16 KiB keeps the
+    quantizer before them, and its forward pass still compiles that role."""
+    eight_b = SYNTHETIC_CONFIGS["llama_3_1_8b"]
+    wide = replace(eight_b, dim=8192, n_heads=64)
+    for config, fits in ((eight_b, True), (wide, False)):
+        specs = llama_kernels(config, "float16", 32, int8_x=True)
+        assert normed_x_in_prologue(specs) == fits
+        assert all(spec.prologue_fits == fits for role, spec in specs.items() if role.startswith("norm_")
+                   and role.endswith("_xi8"))
+        roles = forward_roles(True, int8_x=True, normed_x_in_prologue=normed_x_in_prologue(specs))
+        assert (Role.QUANTIZE_NORM in roles) == (not fits) and Role.QUANTIZE_MERGE in roles
