@@ -428,8 +428,9 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     quantizers are roles too (a split call's merge then runs in `Role.QUANTIZE_MERGE`); where the
     gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
     (MatmulSpec.quantizes_y: no quantizer before down); where x's codes fit workgroup memory, the
-    normed ones (qkv, gate/up) quantize their x in their prologues (MatmulSpec.quantizes_x). With `prefill_matrix` (f16) the folded prefill
-    matmuls also have their subgroup-matrix builds (role + MATRIX_SUFFIX, `matrix_roles`)."""
+    normed ones (qkv, gate/up) quantize their x in their prologues (MatmulSpec.quantizes_x). With
+    `prefill_matrix` (f16) the folded prefill matmuls also have their subgroup-matrix builds (role +
+    MATRIX_SUFFIX, `matrix_roles`)."""
     roles = _llama_kernels(c, dtype)
     if prefill_matrix:
         roles.update(matrix_roles(roles))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import MatmulSpec
+from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_int8_chunk, load_weight_chunk, quantize_x_prologue,
                                           reduce_lanes)
@@ -47,8 +47,9 @@ def quantize_y(g, column_best, total, code, yq, ystats, rb, r, lane, tok0, n):
 
 def int8_x_matmul(spec: MatmulSpec):
     """y[n, out] = x[n, in] @ W^T (+ resid) with W q4 or q8a and x as int8 codes with per-chunk stats (xq,
-    xstats), or (spec.quantizes_x) x and the norm's weight, made into them by the prologue; spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer
-    applied the norm's weight), spec.swiglu as in kernels.decode_matmul_float. With
+    xstats), or (spec.quantizes_x) x and the norm's weight, made into them by the prologue;
+    spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer or the
+    prologue applied the norm's weight), spec.swiglu as in kernels.decode_matmul_float. With
     spec.quantizes_y (a workgroup's columns are one XQ_CHUNK of y) the epilogue also writes y's codes
     and stats (yq, ystats): the next matmul's quantize dispatch, folded in behind one barrier."""
     check_folds(spec, "int8-x", split_head_dim=spec.split_head_dim is not None,
@@ -62,8 +63,9 @@ def int8_x_matmul(spec: MatmulSpec):
     CPG, width_of = g.columns_per_group, g.out_columns
 
     @T.prim_func(s_tir=True)
-    def matmul(x_h: T.handle, norm_h: T.handle, xq_h: T.handle, xstats_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle,
-               resid_h: T.handle, y_h: T.handle, yq_h: T.handle, ystats_h: T.handle, eps: T.float32):
+    def matmul(x_h: T.handle, norm_h: T.handle, xq_h: T.handle, xstats_h: T.handle, w_h: T.handle,
+               scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle, yq_h: T.handle,
+               ystats_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         out_features = T.int32()  # W's rows (gate and up rows with swiglu)

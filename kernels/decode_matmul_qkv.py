@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from contract.kernels import PAGE_SIZE, MatmulSpec
+from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, dot_int8_chunk, load_weight_chunk,
                                           quantize_x_prologue, reduce_lanes)
@@ -45,8 +45,9 @@ def rope_append(head_dim, scaled, dtype, total, column, position, slot_index, pa
 
 def qkv_rope_matmul(spec: MatmulSpec):
     """qkv = x[n, in] @ W^T (W q4, q8 or q8a, spec.norm_eps: the RMSNorm folded in), x in `dtype` or as
-    int8 codes (spec.int8_x: read, or made by the prologue where spec.quantizes_x), then each q and k column rotated with its pair's other column and
-    q, k, v stored (spec.rope_append: head_dim and scaling compiled in, heads and base runtime values)."""
+    int8 codes (spec.int8_x: read, or made by the prologue where spec.quantizes_x), then each q and k
+    column rotated with its pair's other column and q, k, v stored (spec.rope_append: head_dim and
+    scaling compiled in, heads and base runtime values)."""
     check_folds(spec, "qkv", swiglu=spec.swiglu, residual=spec.residual,
                 split_head_dim=spec.split_head_dim is not None, argmax_partials=spec.argmax_partials,
                 quantizes_y=spec.quantizes_y)
