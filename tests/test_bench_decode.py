@@ -45,20 +45,24 @@ def test_decode_bench_runs_a_context_shorter_than_its_warm_up(loop, gpu, test_li
         assert one_pass["gpu_ms"] > 0 and one_pass["attention_ms"] is None and timed["attention_ms"] > 0
 
 
+@pytest.mark.parametrize("in_pass", [False, True], ids=["own-passes", "in-pass"])
 def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_library, test_artifact_dir, tiny_folder,
-                                                              monkeypatch):
-    """`--profile`: one step's dispatches, each timed alone, grouped by role; every dispatch of the
-    step is counted once, attention reads the context's K/V and the matmuls their weights."""
+                                                              monkeypatch, in_pass):
+    """`--profile`: one step's dispatches, each timed alone (in a pass of its own, or with
+    `--profile-in-pass` inside the step's one pass), grouped by role; every dispatch of the step is
+    counted once, attention reads the context's K/V and the matmuls their weights."""
     if not gpu.has_timestamps:
         pytest.skip("the adapter has no timestamp-query")
+    if in_pass and not gpu.timestamps_inside_passes:
+        pytest.skip("the adapter writes no timestamps inside passes")
 
     async def inputs(args, tokenizer=False):
         return gpu, test_library, args.model, "tiny_llama"
 
     real = decode_bench.profile_contexts
 
-    async def quick_profile(model, device, library, contexts, repeats):  # fewer timing calls on a CPU
-        return await real(model, device, library, contexts, repeats, iters=2)
+    async def quick_profile(model, device, library, contexts, repeats, in_pass):  # fewer timing calls on a CPU
+        return await real(model, device, library, contexts, repeats, iters=2, in_pass=in_pass)
 
     monkeypatch.setattr(bench_inputs, "bench_inputs", inputs)
     monkeypatch.setattr(decode_bench, "profile_contexts", quick_profile)
@@ -68,8 +72,10 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     monkeypatch.setattr(decode_bench, "WARMUP_NEW_TOKENS", 4)
     args = build_parser().parse_args(["bench", "decode", "--contexts", "24", "--steps", "2", "--dtype", "float32",
                                       "--model", str(tiny_folder), "--kernels", str(test_artifact_dir),
-                                      "--mode", "default", "--profile", "--profile-repeats", "1"])
+                                      "--mode", "default", "--profile", "--profile-repeats", "1"]
+                                     + ["--profile-in-pass"] * in_pass)
     result = loop.run_until_complete(decode_bench.run_decode_bench(args))
+    assert result["profile"]["in_pass"] == in_pass
     (row,) = result["profile"]["contexts"]
     roles = row["roles"]
     layers = 2  # tiny_llama

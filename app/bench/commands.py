@@ -86,6 +86,9 @@ def add_decode(sub) -> None:
     dec.add_argument("--profile", action="store_true",
                      help="also time every dispatch of one decode step alone: GPU us, bytes and GB/s per kernel role")
     dec.add_argument("--profile-repeats", type=int, default=5, help="profiled steps per context (medians)")
+    dec.add_argument("--profile-in-pass", action="store_true",
+                     help="with --profile: time the dispatches inside the step's one pass, as a step runs, "
+                          "not each in a pass of its own (adapters that write timestamps inside passes)")
     add_run_options(dec, leave_out=("max_context",))
     dec.set_defaults(run=run_decode)
 

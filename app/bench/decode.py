@@ -104,7 +104,11 @@ async def run_decode_bench(args) -> dict:
     if getattr(args, "profile", False):
         if not device.has_timestamps:
             raise SystemExit("--profile needs an adapter with timestamp-query")
-        result["profile"] = await profile_contexts(model, device, library, args.contexts, args.profile_repeats)
+        in_pass = getattr(args, "profile_in_pass", False)
+        if in_pass and not device.timestamps_inside_passes:
+            raise SystemExit("--profile-in-pass needs an adapter that writes timestamps inside passes")
+        result["profile"] = await profile_contexts(model, device, library, args.contexts, args.profile_repeats,
+                                                   in_pass=in_pass)
         print_profile(result["profile"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -1,8 +1,10 @@
 """`python -m app bench decode --profile`: where a decode step's GPU time goes, per kernel role.
 
 One greedy decode step after a C-token context is encoded with every dispatch in a timed compute
-pass of its own (LlamaModel.profile_decode_step), `--profile-repeats` times; each dispatch's median
-is corrected by the cost of an empty timed pass (measured in the same run) and summed per role
+pass of its own (LlamaModel.profile_decode_step), `--profile-repeats` times, or with `--profile-in-pass`
+(adapters that write timestamps inside passes) all in one pass, as a step runs, each bracketed by
+timestamps there, so that a dispatch's figure holds no pass of its own. Each dispatch's median
+is corrected by the cost of an empty timed span (measured in the same run, the same way) and summed per role
 (embed, norm_qkv, rope_append, attention, merge, o_residual, norm_gate_up_swiglu, down_residual,
 norm_lm_head, argmax). Beside each role: the bytes it reads (weights, or the K/V of the context), the
 GB/s that makes, the time those bytes need at the streaming bandwidth measured in the same run, and
@@ -22,12 +24,13 @@ from model_glue.model.generate import generate
 EMPTY_PASS_CALLS = 64
 
 
-async def empty_pass_seconds(device, calls: int = EMPTY_PASS_CALLS) -> float:
-    """Median of a timed compute pass that holds no dispatch: what timing a dispatch alone adds."""
+async def empty_pass_seconds(device, calls: int = EMPTY_PASS_CALLS, in_pass: bool = False) -> float:
+    """Median of a timed compute pass that holds no dispatch (`in_pass`: of two timestamps written
+    with nothing between them inside a pass): what timing a dispatch alone adds."""
     stamps = device.timestamps(2 * calls)
     batch = device.batch()
     for i in range(calls):
-        with batch.timed((stamps, 2 * i, 2 * i + 1)):
+        with batch.timed((stamps, 2 * i, 2 * i + 1), own_pass=not in_pass):
             pass
     batch.resolve(stamps)
     batch.submit()
@@ -58,12 +61,13 @@ def bytes_read(model, library, name: str, buffers: dict, context: int) -> int:
     return total
 
 
-async def profile_contexts(model, device, library, contexts, repeats: int, iters: int = 50) -> dict:
+async def profile_contexts(model, device, library, contexts, repeats: int, iters: int = 50,
+                           in_pass: bool = False) -> dict:
     """The per-role profile of one decode step at each context (see the module docstring)."""
     await ramp_clocks(device, library)
     stream_gbps = await stream_bandwidth(device, library, iters, "timestamps")
     floor, _ = await dispatch_floor(device, library, iters, "timestamps")
-    empty = await empty_pass_seconds(device)
+    empty = await empty_pass_seconds(device, in_pass=in_pass)
     rng = random.Random(1)
     results = []
     for context in contexts:
@@ -77,7 +81,7 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
             if stamps is None:
                 stamps = device.timestamps(2 * decode[-1].dispatches)
             step_context = model.kv.length + 1  # the profiled step's own token attends too
-            choice, dispatches = await model.profile_decode_step(stamps)
+            choice, dispatches = await model.profile_decode_step(stamps, in_pass)
             if samples is None:
                 samples = [(name, buffers, []) for name, buffers, _ in dispatches]
             for (_, _, ns), (_, _, kept) in zip(dispatches, samples):
@@ -98,12 +102,14 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
                         "profiled_sum_ms": sum(r["us"] for r in roles.values()) / 1e3,
                         "ordinary_step_gpu_ms": statistics.median(ordinary) if ordinary else None})
     return {"stream_gbps": stream_gbps, "one_dispatch_floor_us": floor * 1e6, "empty_pass_us": empty * 1e6,
-            "repeats": repeats, "contexts": results}
+            "repeats": repeats, "in_pass": in_pass, "contexts": results}
 
 
 def print_profile(profile: dict) -> None:
+    timed = ("each dispatch timed inside the step's one pass; an empty timed span" if profile["in_pass"]
+             else "each dispatch timed in a pass of its own; an empty timed pass")
     print(f"profile: streaming read {profile['stream_gbps']:.1f} GB/s; a timed pass with one tiny dispatch "
-          f"{profile['one_dispatch_floor_us']:.2f} us, an empty timed pass {profile['empty_pass_us']:.2f} us "
+          f"{profile['one_dispatch_floor_us']:.2f} us; {timed} {profile['empty_pass_us']:.2f} us "
           f"(subtracted from each dispatch); median of {profile['repeats']} profiled steps", flush=True)
     for row in profile["contexts"]:
         print(f"context {row['context']} (step at {row['step_context']}, {row['attention']}): profiled sum {row['profiled_sum_ms']:.3f} ms, "

@@ -89,19 +89,24 @@ class PassEncoder:
 
 
 class ProfilingEncoder:
-    """Encodes a pass with every dispatch in a timed compute pass of its own (`python -m app bench
-    decode --profile`): dispatch i writes timestamps 2i and 2i + 1, and its kernel's name and bound
-    buffers are kept in `dispatches`. The forward pass's own spans are left out (each dispatch is
-    already timed alone)."""
+    """Encodes a pass with every dispatch timed (`python -m app bench decode --profile`): dispatch i
+    writes timestamps 2i and 2i + 1, and its kernel's name and bound buffers are kept in `dispatches`.
+    Each dispatch runs in a timed compute pass of its own, or (`in_pass`, on an adapter that writes
+    timestamps inside passes) all run in one pass with the timestamps between them, as a step runs.
+    The forward pass's own spans are left out (each dispatch is already timed alone)."""
 
-    def __init__(self, batch, stamps):
-        self.batch, self.stamps = batch, stamps
+    def __init__(self, batch, stamps, in_pass: bool = False):
+        self.batch, self.stamps, self.in_pass = batch, stamps, in_pass
         self.dispatches: list[tuple[str, dict]] = []
 
     def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
         i = len(self.dispatches)
         bound = kernel.bind(buffers, values)
-        bound.dispatch(self.batch, (self.stamps, 2 * i, 2 * i + 1))
+        if self.in_pass:
+            with self.batch.timed((self.stamps, 2 * i, 2 * i + 1)):
+                bound.dispatch(self.batch)
+        else:
+            bound.dispatch(self.batch, (self.stamps, 2 * i, 2 * i + 1))
         bound.release_after(self.batch)
         self.dispatches.append((kernel.name, buffers))
 

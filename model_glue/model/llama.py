@@ -336,11 +336,15 @@ class LlamaModel:
             await self.pipeline.read_back(step)
         self.rollback(steps[0].start)
 
-    async def profile_decode_step(self, stamps) -> tuple[AttentionChoice, list[tuple[str, dict, int]]]:
-        """One greedy decode step after the cached context, every dispatch in a timed pass of its own
-        (model_glue.model.forward.ProfilingEncoder; `stamps` holds exactly two queries per dispatch), then
-        the model is reset (the step overwrote the last id). Returns the step's attention choice and
-        (kernel name, bound buffers, GPU ns) per dispatch, in order."""
+    async def profile_decode_step(self, stamps, in_pass: bool = False) -> tuple[AttentionChoice,
+                                                                                list[tuple[str, dict, int]]]:
+        """One greedy decode step after the cached context, every dispatch timed: in a pass of its own,
+        or (`in_pass`) between its neighbours in the step's one pass
+        (model_glue.model.forward.ProfilingEncoder; `stamps` holds exactly two queries per dispatch),
+        then the model is reset (the step overwrote the last id). Returns the step's attention choice
+        and (kernel name, bound buffers, GPU ns) per dispatch, in order."""
+        if in_pass and not self.device.timestamps_inside_passes:
+            raise ModelError("profiling inside the pass needs an adapter that writes timestamps inside passes")
         if self.pipeline.in_flight or not self.cached_ids:
             raise ModelError("profile a step after a finished run, with no pass in flight")
         start = self.kv.length
@@ -349,7 +353,7 @@ class LlamaModel:
         self.ensure_scratch(1)
         nnz_pages = self._write_inputs(None, start, slots, [start + 1])
         batch = self.device.batch()
-        enc = ProfilingEncoder(batch, stamps)
+        enc = ProfilingEncoder(batch, stamps, in_pass)
         encode_forward(self, enc, plan, nnz_pages, None, 0.0)
         if 2 * len(enc.dispatches) != stamps.count:  # resolve only written queries (unwritten ones can hang)
             batch.submit()
