@@ -140,8 +140,7 @@ class _Loader:
     def __init__(self, device, library, config_name: str, config: LlamaConfig, options: RunOptions,
                  dtype: str | None, context_length: int, tensor_bytes: dict[str, int]):
         self.device, self.library, self.config_name, self.config = device, library, config_name, config
-        self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length,
-                                        timestamps_inside_passes=device.timestamps_inside_passes)
+        self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
         self.dtype = dtype or ("float16" if device.has_f16 else "float32")
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")

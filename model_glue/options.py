@@ -41,7 +41,8 @@ class RunOptions:
     # At load, run a dummy prompt and a decode step (then forget them), so the first prompt finds its
     # passes bound (model_glue.loading.warm_up). Load time only.
     warm_up: bool | None = None
-    # Time each layer's attention (in a timed compute pass of its own) in every Nth decode step: where
+    # Time each layer's attention (inside the step's pass where the adapter writes timestamps there,
+    # else in a timed compute pass of its own) in every Nth decode step: where
     # the context is a multiple of N, and the first step after a prompt. The other steps are one compute
     # pass, timed as a whole (attention_ms None). 1: every step; 0: none.
     time_attention_every: int | None = None
@@ -103,10 +104,10 @@ class RunOptions:
             raise ModelError(f"pipeline_depth must be 2..{MAX_PIPELINE_DEPTH} passes, not {self.pipeline_depth!r}")
         return self
 
-    def resolved(self, *, is_cpu: bool, context_length: int, timestamps_inside_passes: bool = False) -> "RunOptions":
+    def resolved(self, *, is_cpu: bool, context_length: int) -> "RunOptions":
         """Every None filled with this adapter's default; max_context capped at the model's context."""
         self.check()
-        defaults = option_defaults(is_cpu, timestamps_inside_passes)
+        defaults = option_defaults(is_cpu)
         return replace(self, max_context=min(self.max_context or context_length, context_length),
                        **{name: defaults[name] if getattr(self, name) is None else getattr(self, name)
                           for name in defaults})

@@ -30,20 +30,20 @@ CPU_PREFILL_CHUNK = 256
 # than that round trip, and more steps in flight would only add work a stop throws away.
 GPU_PIPELINE_DEPTH = 6
 CPU_PIPELINE_DEPTH = 4
-# Decode steps whose attention is timed per layer: one in this many, so that timing costs a step
-# little (RunOptions.time_attention_every: each timed layer's attention is a compute pass of its own),
-# or every step where the adapter writes timestamps inside a pass, which costs no pass.
+# Decode steps whose attention is timed per layer: one in this many (RunOptions.time_attention_every),
+# so that timing costs the steps little on average. A timed layer drains the GPU around its attention
+# whether its timestamps are written inside the step's pass or bracket a pass of its own.
 ATTENTION_TIMING_EVERY = 16
 
 
-def option_defaults(is_cpu: bool, timestamps_inside_passes: bool = False) -> dict:
+def option_defaults(is_cpu: bool) -> dict:
     """RunOptions' per-adapter defaults. The folds (norm into matmul, SwiGLU into gate/up) and the
     warm-up run on GPUs only: on a CPU rasterizer a folded matmul costs more than the dispatches it
     saves, and a warm-up takes seconds."""
     return {"fold_norms": not is_cpu, "warm_up": not is_cpu,
             "prefill_chunk": CPU_PREFILL_CHUNK if is_cpu else GPU_PREFILL_CHUNK,
             "pipeline_depth": CPU_PIPELINE_DEPTH if is_cpu else GPU_PIPELINE_DEPTH,
-            "time_attention_every": 1 if timestamps_inside_passes else ATTENTION_TIMING_EVERY}
+            "time_attention_every": ATTENTION_TIMING_EVERY}
 
 
 # -- the builds a model loads -------------------------------------------------------------------------

@@ -55,9 +55,8 @@ function drawNextFrame() {
 function drawLastStep() {
   const stats = state.steps[state.steps.length - 1];
   if (!stats) return;
-  // Where the adapter writes timestamps only at pass boundaries, decode steps time attention in one
-  // step in 16 (RunOptions.time_attention_every): between those, the overlay shows the last timed
-  // step's figure, labelled with its context.
+  // Decode steps time attention in one step in 16 (RunOptions.time_attention_every): between those,
+  // the overlay shows the last timed step's figure, labelled with its context.
   const timed = stats.attention_ms !== null ? stats : lastTimedStep(stats.kind);
   const attn = timed === null ? "n/a" : timed === stats ? `${stats.attention_ms.toFixed(3)} ms`
     : `${timed.attention_ms.toFixed(3)} ms (sampled at ctx ${timed.context})`;

@@ -63,11 +63,11 @@ def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):
     assert steps[0]["nest"] == "tiled"  # a prompt of at most 64 tokens: the decode kernels as a batch of its tokens
     assert {s["nest"] for s in steps[1:]} == {"tiled"}  # a short chat stays below 256 tokens
     # attention timed in the prompt, the first decode step and where the context is a multiple of N
-    # (RunOptions.time_attention_every: 1 where the adapter writes timestamps inside passes, as
-    # SwiftShader does); the other steps say why they have none
+    # (RunOptions.time_attention_every; inside the step's pass where the adapter writes timestamps
+    # there, as SwiftShader does); the other steps say why they have none
     every = tab.evaluate("window.demoState.info.options.time_attention_every")
     inside = tab.evaluate("window.demoState.device.timestamps_inside_passes")
-    assert every == (1 if inside else ATTENTION_TIMING_EVERY)
+    assert every == ATTENTION_TIMING_EVERY
     assert ("inside passes" in tab.inner_text("#adapter")) == inside
     timed = [s for s in steps if s["attention_ms"] is not None]
     assert [s["context"] for s in timed] == [37, 38] + [s["context"] for s in steps[2:] if s["context"] % every == 0]

@@ -278,15 +278,14 @@ def test_decode_plan_rewrites_only_what_is_declared_per_step(loop, gpu, test_lib
 def test_a_new_split_count_replays_the_same_plan(loop, gpu, test_library, tiny_dir):
     """S is a per-step value: decode steps at S=2 and S=4 share one bound plan and one recording
     (a plan per S would re-bind every pass each time the host's rule doubles S): one for the steps
-    that time attention, one for those that run as one pass (only the first where the adapter writes
-    timestamps inside passes: every step is timed there)."""
+    that time attention, one for those that run as one pass."""
     model = load(loop, gpu, test_library, tiny_dir, "float32")
     for layout in ("shards:2", "shards:4"):
         run = loop.run_until_complete(generate(model, [5, 6, 7], max_new_tokens=4,
                                                options=RunOptions(attention="sharded", layout=layout)))
         assert {s.kernel for s in run.stats if s.kind == "decode"} == {f"shards S={layout[-1]}"}
     # the tiny model's o-projection merges the splits at S = 2 and 4 (contract.kernels.o_merges_splits)
-    passes = (False,) if gpu.timestamps_inside_passes else (False, True)
+    passes = (False, True)
     keys = [PassPlan(1, AttentionChoice("sharded", "shards", 2), True, model.run.fold_norms, one_pass, o_merges=True)
             for one_pass in passes]
     assert keys == [PassPlan(1, AttentionChoice("sharded", "shards", 4), True, model.run.fold_norms, one_pass,

@@ -72,8 +72,8 @@ def test_pipelined_ids_equal_one_step_at_a_time(loop, tiny, depth):
     assert {s.dispatches for s in decode} == {1 + per_layer * layers + head}
     assert all(s.encode_ms > 0 and s.wait_ms >= 0 for s in decode)
     if tiny.device.has_timestamps:  # attention timed in the first step and where the context is a multiple of N
-        every = tiny.run.time_attention_every  # every step where timestamps are written inside passes
-        assert every == (1 if tiny.device.timestamps_inside_passes else ATTENTION_TIMING_EVERY)
+        every = tiny.run.time_attention_every
+        assert every == ATTENTION_TIMING_EVERY
         timed = [s for s in decode if s.attention_ms is not None]
         assert [s.context for s in timed] == [decode[0].context] + [
             s.context for s in decode[1:] if s.context % every == 0]
@@ -177,9 +177,9 @@ def test_later_decode_steps_replay_their_recorded_passes(loop, tiny):
 
 def test_attention_is_timed_inside_the_steps_one_pass_or_in_passes_of_its_own(loop, gpu, test_library,
                                                                               tiny_folder, monkeypatch):
-    """Where the adapter writes timestamps inside passes (lavapipe does), a decode step is one compute
-    pass with each layer's attention bracketed by timestamps inside it, every step; without that
-    feature, attention is timed in sampled steps, each timed layer's attention a pass of its own."""
+    """Attention is timed in sampled steps. Where the adapter writes timestamps inside passes
+    (lavapipe does), a timed step is still one compute pass, each layer's attention bracketed by
+    timestamps inside it; without that feature each timed layer's attention is a pass of its own."""
     if not gpu.has_timestamps:
         pytest.skip(f"{gpu.adapter_name} has no timestamp-query")
     for inside in (True, False):
@@ -193,14 +193,13 @@ def test_attention_is_timed_inside_the_steps_one_pass_or_in_passes_of_its_own(lo
             decode = [s for s in run.stats if s.kind == "decode"]
             timed = [s for s in decode if s.attention_ms is not None]
             assert all(s.attention_ms > 0 for s in timed) and all(s.gpu_ms >= s.attention_ms for s in timed)
+            assert 2 <= len(timed) < len(decode)
             tapes = [recorded.tape for key, recorded in model._recorded.items() if not key.prefill]
             layers = model.config.n_layers
             if inside:
-                assert timed == decode
-                assert tapes and all([op[0] for op in tape].count("begin") == 1 for tape in tapes)
-                assert all([op[0] for op in tape].count("stamp") == 2 * layers + 2 for tape in tapes)
+                assert len(tapes) == 2 and all([op[0] for op in tape].count("begin") == 1 for tape in tapes)
+                assert max([op[0] for op in tape].count("stamp") for tape in tapes) == 2 * layers + 2
             else:
-                assert 2 <= len(timed) < len(decode)
                 assert max([op[0] for op in tape].count("begin") for tape in tapes) > 2 * layers  # attention apart
                 assert all("stamp" not in [op[0] for op in tape] for tape in tapes)
         finally:
