@@ -8,6 +8,9 @@ import app.bench.decode as decode_bench
 import app.bench.inputs as bench_inputs
 from app.__main__ import build_parser
 from convert.weights import write_random_artifact
+from model_glue.gpu.artifact import folder_readers
+from model_glue.loading import load_model
+from model_glue.model.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,26 @@ def test_decode_profile_accounts_for_every_dispatch_of_a_step(loop, gpu, test_li
     assert roles["attention"]["bytes"] == layers * row["step_context"] * kv_heads * head_dim * 2 * 4  # K and V, f32
     assert roles["down_residual"]["bytes"] > 0 and roles["argmax"]["bytes"] == 0
     assert all(r["us"] >= 0 for r in roles.values()) and row["profiled_sum_ms"] > 0
+    # each role's cost inside the step: the one-pass step against that pass without the role
+    assert row["one_pass_step_ms"] > 0 and all(isinstance(r["in_step_us"], float) for r in roles.values())
+
+
+def test_a_step_leaving_kernels_out_runs_without_them(loop, gpu, test_library, tiny_folder):
+    """The profile's in-step costs come from one decode step encoded with some kernels left out: the
+    step names every kernel it dispatches, leaving all of them out leaves an empty pass, and the
+    cache is left as it was."""
+    if not gpu.has_timestamps:
+        pytest.skip("the adapter has no timestamp-query")
+    read_text, read_bytes = folder_readers(tiny_folder)
+    model = loop.run_until_complete(load_model(gpu, test_library, read_text, read_bytes, dtype="float32"))
+    try:
+        run = loop.run_until_complete(generate(model, [5, 6, 7, 8], max_new_tokens=3))
+        length = model.kv.length
+        names, _ = loop.run_until_complete(model.time_decode_step_leaving_out(gpu.timestamps(2), [frozenset()]))
+        assert len(names) == run.stats[-1].dispatches and "argmax" in " ".join(names)
+        _, (whole, empty) = loop.run_until_complete(
+            model.time_decode_step_leaving_out(gpu.timestamps(4), [frozenset(), frozenset(names)]))
+        assert 0 <= empty < whole / 4, (whole, empty)
+        assert model.kv.length == length
+    finally:
+        model.release()

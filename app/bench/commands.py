@@ -84,7 +84,8 @@ def add_decode(sub) -> None:
     dec.add_argument("--kernels", type=Path, default=KERNEL_ARTIFACT)
     dec.add_argument("--json", type=Path)
     dec.add_argument("--profile", action="store_true",
-                     help="also time every dispatch of one decode step alone: GPU us, bytes and GB/s per kernel role")
+                     help="also time every dispatch of one decode step alone (GPU us, bytes and GB/s per kernel "
+                          "role) and each role's cost inside the step (the step as one pass without it)")
     dec.add_argument("--profile-repeats", type=int, default=5, help="profiled steps per context (medians)")
     dec.add_argument("--profile-in-pass", action="store_true",
                      help="with --profile: time the dispatches inside the step's one pass, as a step runs, "

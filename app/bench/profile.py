@@ -11,6 +11,14 @@ GB/s that makes, the time those bytes need at the streaming bandwidth measured i
 the one-dispatch floor (a timed pass holding one tiny dispatch) times the role's dispatches. The
 profiled sum is checked against the GPU time of the same context's ordinary decode steps, whose
 passes are fewer (each layer's attention is its own timed pass there).
+
+Timing a dispatch alone adds its own cost (a pass, or timestamps that wait for the GPU to drain), so
+each role also gets its cost inside the step ("in step"): the step as one untimed pass, against the
+same pass with that role's dispatches left out (LlamaModel.time_decode_step_leaving_out), the medians'
+difference. It holds the role's barriers and tails, which is what leaving the role out would save.
+The passes without a role compute on stale inputs, so the figure assumes a kernel's speed does not
+depend on its data: true of GPUs, not of CPU rasterizers (lavapipe slows on the denormals and NaNs
+such inputs make, and gives negative figures).
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
     for context in contexts:
         prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(context)]
         samples, stamps, ordinary = None, None, []
-        for _ in range(repeats):
+        for repeat in range(repeats):
             model.reset()
             run = await generate(model, prompt, max_new_tokens=4)
             decode = [s for s in run.stats if s.kind == "decode"]
@@ -81,6 +89,8 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
             if stamps is None:
                 stamps = device.timestamps(2 * decode[-1].dispatches)
             step_context = model.kv.length + 1  # the profiled step's own token attends too
+            if repeat == repeats - 1:
+                whole_ms, in_step = await in_step_costs(model, device, library, repeats)
             choice, dispatches = await model.profile_decode_step(stamps, in_pass)
             if samples is None:
                 samples = [(name, buffers, []) for name, buffers, _ in dispatches]
@@ -92,17 +102,32 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
             role["dispatches"] += 1
             role["us"] += max(statistics.median(ns) * 1e-9 - empty, 0.0) * 1e6
             role["bytes"] += bytes_read(model, library, name, buffers, step_context)
-        for role in roles.values():
+        for name, role in roles.items():
+            role["in_step_us"] = in_step[name]
             role["gb_s"] = role["bytes"] / (role["us"] * 1e-6) / 1e9 if role["us"] else None
             role["stream_us"] = role["bytes"] / (stream_gbps * 1e9) * 1e6
             role["floor_us"] = role["dispatches"] * floor * 1e6
             # the bar a role is held to: within max(2x its bytes at streaming bandwidth, 1.5x its floor)
             role["target_us"] = max(2 * role["stream_us"], 1.5 * role["floor_us"])
         results.append({"context": context, "step_context": step_context, "attention": str(choice), "roles": roles,
-                        "profiled_sum_ms": sum(r["us"] for r in roles.values()) / 1e3,
+                        "profiled_sum_ms": sum(r["us"] for r in roles.values()) / 1e3, "one_pass_step_ms": whole_ms,
                         "ordinary_step_gpu_ms": statistics.median(ordinary) if ordinary else None})
     return {"stream_gbps": stream_gbps, "one_dispatch_floor_us": floor * 1e6, "empty_pass_us": empty * 1e6,
             "repeats": repeats, "in_pass": in_pass, "contexts": results}
+
+
+async def in_step_costs(model, device, library, rounds: int) -> tuple[float, dict[str, float]]:
+    """The whole step's GPU ms as one pass, and each role's cost inside it in us (module docstring):
+    `rounds` rounds, each the whole step and then the step without each role, back to back."""
+    names, _ = await model.time_decode_step_leaving_out(device.timestamps(2), [frozenset()])
+    kernels_of: dict[str, set[str]] = {}
+    for name in names:
+        kernels_of.setdefault(role_of(model, library, name), set()).add(name)
+    leave_outs = [frozenset()] + [frozenset(kernels) for kernels in kernels_of.values()]
+    stamps = device.timestamps(2 * len(leave_outs))
+    seconds = [await model.time_decode_step_leaving_out(stamps, leave_outs) for _ in range(rounds)]
+    medians = [statistics.median(times[i] for _, times in seconds) for i in range(len(leave_outs))]
+    return medians[0] * 1e3, {role: (medians[0] - without) * 1e6 for role, without in zip(kernels_of, medians[1:])}
 
 
 def print_profile(profile: dict) -> None:
@@ -113,10 +138,11 @@ def print_profile(profile: dict) -> None:
           f"(subtracted from each dispatch); median of {profile['repeats']} profiled steps", flush=True)
     for row in profile["contexts"]:
         print(f"context {row['context']} (step at {row['step_context']}, {row['attention']}): profiled sum {row['profiled_sum_ms']:.3f} ms, "
-              f"ordinary step GPU {row['ordinary_step_gpu_ms'] or float('nan'):.3f} ms")
-        print(f"  {'role':>20} {'n':>4} {'GPU us':>9} {'MB read':>9} {'GB/s':>8} {'stream us':>9} "
+              f"ordinary step GPU {row['ordinary_step_gpu_ms'] or float('nan'):.3f} ms, the step as one pass "
+              f"{row['one_pass_step_ms']:.3f} ms (in step: that pass without the role's dispatches, the difference)")
+        print(f"  {'role':>20} {'n':>4} {'GPU us':>9} {'in step':>9} {'MB read':>9} {'GB/s':>8} {'stream us':>9} "
               f"{'floor us':>9} {'target us':>9}")
         for name, r in sorted(row["roles"].items(), key=lambda item: -item[1]["us"]):
             gbs = "-" if r["gb_s"] is None else f"{r['gb_s']:.1f}"
-            print(f"  {name:>20} {r['dispatches']:>4} {r['us']:>9.1f} {r['bytes'] / 1e6:>9.3f} {gbs:>8} "
-                  f"{r['stream_us']:>9.1f} {r['floor_us']:>9.1f} {r['target_us']:>9.1f}", flush=True)
+            print(f"  {name:>20} {r['dispatches']:>4} {r['us']:>9.1f} {r['in_step_us']:>9.1f} {r['bytes'] / 1e6:>9.3f} "
+                  f"{gbs:>8} {r['stream_us']:>9.1f} {r['floor_us']:>9.1f} {r['target_us']:>9.1f}", flush=True)

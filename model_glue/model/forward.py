@@ -119,6 +119,34 @@ class ProfilingEncoder:
         yield
 
 
+class LeavingOutEncoder:
+    """Encodes a pass without the dispatches of the kernels named in `leave_out` (`python -m app bench
+    decode --profile`'s in-step column): the caller times the pass as a whole, so that its difference
+    from the whole step is what those kernels cost inside the step, their barriers and tails
+    included. The result is wrong by design; only the time counts. Every dispatch's kernel name is
+    kept in `names`, left out or not."""
+
+    def __init__(self, batch, leave_out: frozenset[str]):
+        self.batch, self.leave_out = batch, leave_out
+        self.names: list[str] = []
+
+    def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
+        self.names.append(kernel.name)
+        if kernel.name in self.leave_out:
+            return
+        bound = kernel.bind(buffers, values)
+        bound.dispatch(self.batch)
+        bound.release_after(self.batch)
+
+    @contextmanager
+    def timed(self, begin: int | None, end: int | None):
+        yield
+
+    @contextmanager
+    def whole_pass(self, stamps: PassStamps):
+        yield
+
+
 # -- attention calls ------------------------------------------------------------------------------------
 def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
     """Buffers and values of one layer's attention (the values are the same in every layer)."""

@@ -21,7 +21,8 @@ from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, no
                               prefill_matrix)
 from model_glue.model.attention import AttentionKernels
 from model_glue.errors import ModelError
-from model_glue.model.forward import PassEncoder, ProfilingEncoder, encode_forward, forward_roles, per_step_values
+from model_glue.model.forward import (LeavingOutEncoder, PassEncoder, ProfilingEncoder, encode_forward, forward_roles,
+                                      per_step_values)
 from model_glue.gpu.kernel import DispatchPlan
 from model_glue.model.kv_cache import PagedKVCache
 from model_glue.options import RunOptions
@@ -364,6 +365,36 @@ class LlamaModel:
         ticks = await stamps.read_ns()
         self.reset()
         return plan.attention, [(name, buffers, ticks[2 * i + 1] - ticks[2 * i]) for i, (name, buffers) in enumerate(enc.dispatches)]
+
+    async def time_decode_step_leaving_out(self, stamps,
+                                           leave_outs: list[frozenset[str]]) -> tuple[list[str], list[float]]:
+        """One greedy decode step after the cached context, encoded once per entry of `leave_outs`, each
+        a compute pass of its own timed as a whole that leaves out the dispatches of the kernels named
+        in the entry (model_glue.model.forward.LeavingOutEncoder), all in one submission, so the GPU runs
+        them back to back. `stamps` holds exactly two queries per entry. Returns the kernel names the
+        whole step dispatches, in order, and each pass's GPU seconds. The cache keeps its tokens (the
+        step's own K/V row is dropped); the next-id buffer holds whatever the last pass wrote."""
+        if self.pipeline.in_flight or not self.cached_ids:
+            raise ModelError("time a step after a finished run, with no pass in flight")
+        if stamps.count != 2 * len(leave_outs):  # resolve only written queries (unwritten ones can hang)
+            raise ValueError(f"{len(leave_outs)} passes need {2 * len(leave_outs)} queries, not {stamps.count}")
+        start = self.kv.length
+        plan = self.plan_pass(1, start)
+        slots = self.kv.reserve(1)
+        self.ensure_scratch(1)
+        nnz_pages = self._write_inputs(None, start, slots, [start + 1])
+        batch = self.device.batch()
+        names: list[str] = []
+        for i, leave_out in enumerate(leave_outs):
+            enc = LeavingOutEncoder(batch, leave_out)
+            with batch.timed((stamps, 2 * i, 2 * i + 1), own_pass=True):
+                encode_forward(self, enc, plan, nnz_pages, None, 0.0)
+            names = names or enc.names
+        batch.resolve(stamps)
+        batch.submit()
+        ticks = await stamps.read_ns()
+        self.kv.truncate(start)
+        return names, [(ticks[2 * i + 1] - ticks[2 * i]) * 1e-9 for i in range(len(leave_outs))]
 
     def reset(self) -> None:
         self.kv.reset()
