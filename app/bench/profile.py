@@ -13,12 +13,12 @@ profiled sum is checked against the GPU time of the same context's ordinary deco
 passes are fewer (each layer's attention is its own timed pass there).
 
 Timing a dispatch alone adds its own cost (a pass, or timestamps that wait for the GPU to drain), so
-each role also gets its cost inside the step ("in step"): the step as one untimed pass, against the
-same pass with that role's dispatches left out (LlamaModel.time_decode_step_leaving_out), the medians'
-difference. It holds the role's barriers and tails, which is what leaving the role out would save.
-The passes without a role compute on stale inputs, so the figure assumes a kernel's speed does not
-depend on its data: true of GPUs, not of CPU rasterizers (lavapipe slows on the denormals and NaNs
-such inputs make, and gives negative figures).
+each role also gets its cost inside the step ("in step"): the step as one pass, against the same pass
+with that role's dispatches left out (LlamaModel.time_decode_step_leaving_out), run between two whole
+steps in one submission (`in_step_costs`). It holds the role's barriers and tails, which is what
+leaving the role out would save. The passes without a role compute on stale inputs, so the figure
+assumes a kernel's speed does not depend on its data. On a CPU rasterizer a role much smaller than
+the step is lost in the noise.
 """
 
 from __future__ import annotations
@@ -118,16 +118,25 @@ async def profile_contexts(model, device, library, contexts, repeats: int, iters
 
 async def in_step_costs(model, device, library, rounds: int) -> tuple[float, dict[str, float]]:
     """The whole step's GPU ms as one pass, and each role's cost inside it in us (module docstring):
-    `rounds` rounds, each the whole step and then the step without each role, back to back."""
+    `rounds` submissions, each a warm-up pass (a submission's first pass runs slower), then the whole
+    step and the step without each role in turn, so that every pass without a role sits between two
+    whole steps, whose mean it is held against; the medians over the rounds."""
     names, _ = await model.time_decode_step_leaving_out(device.timestamps(2), [frozenset()])
     kernels_of: dict[str, set[str]] = {}
     for name in names:
         kernels_of.setdefault(role_of(model, library, name), set()).add(name)
-    leave_outs = [frozenset()] + [frozenset(kernels) for kernels in kernels_of.values()]
+    leave_outs = [frozenset()]
+    for kernels in kernels_of.values():
+        leave_outs += [frozenset(), frozenset(kernels)]
+    leave_outs.append(frozenset())
     stamps = device.timestamps(2 * len(leave_outs))
-    seconds = [await model.time_decode_step_leaving_out(stamps, leave_outs) for _ in range(rounds)]
-    medians = [statistics.median(times[i] for _, times in seconds) for i in range(len(leave_outs))]
-    return medians[0] * 1e3, {role: (medians[0] - without) * 1e6 for role, without in zip(kernels_of, medians[1:])}
+    wholes, costs = [], {role: [] for role in kernels_of}
+    for _ in range(rounds):
+        _, times = await model.time_decode_step_leaving_out(stamps, leave_outs)
+        wholes += times[1::2]
+        for j, role in enumerate(kernels_of):
+            costs[role].append((times[1 + 2 * j] + times[3 + 2 * j]) / 2 - times[2 + 2 * j])
+    return statistics.median(wholes) * 1e3, {role: statistics.median(c) * 1e6 for role, c in costs.items()}
 
 
 def print_profile(profile: dict) -> None:
