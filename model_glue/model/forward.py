@@ -66,9 +66,7 @@ class PassEncoder:
         if self.plan is not None:
             self.plan.dispatch(self.batch, kernel, buffers, values, per_step=per_step or self.every_value_per_step)
             return
-        bound = kernel.bind(buffers, values)
-        bound.dispatch(self.batch)
-        bound.release_after(self.batch)
+        dispatch_alone(self.batch, kernel, buffers, values)
 
     @contextmanager
     def timed(self, begin: int | None, end: int | None):
@@ -88,7 +86,26 @@ class PassEncoder:
             yield
 
 
-class ProfilingEncoder:
+def dispatch_alone(batch, kernel, buffers: dict, values: dict) -> None:
+    """Bind and dispatch a kernel for this pass only (no plan, nothing recorded)."""
+    bound = kernel.bind(buffers, values)
+    bound.dispatch(batch)
+    bound.release_after(batch)
+
+
+class SpansUntimed:
+    """An encoder that times its dispatches its own way: the forward pass's spans write nothing."""
+
+    @contextmanager
+    def timed(self, begin: int | None, end: int | None):
+        yield
+
+    @contextmanager
+    def whole_pass(self, stamps: PassStamps):
+        yield
+
+
+class ProfilingEncoder(SpansUntimed):
     """Encodes a pass with every dispatch timed (`python -m app bench decode --profile`): dispatch i
     writes timestamps 2i and 2i + 1, and its kernel's name and bound buffers are kept in `dispatches`.
     Each dispatch runs in a timed compute pass of its own, or (`in_pass`, on an adapter that writes
@@ -110,16 +127,8 @@ class ProfilingEncoder:
         bound.release_after(self.batch)
         self.dispatches.append((kernel.name, buffers))
 
-    @contextmanager
-    def timed(self, begin: int | None, end: int | None):
-        yield
 
-    @contextmanager
-    def whole_pass(self, stamps: PassStamps):
-        yield
-
-
-class LeavingOutEncoder:
+class LeavingOutEncoder(SpansUntimed):
     """Encodes a pass without the dispatches of the kernels named in `leave_out` (`python -m app bench
     decode --profile`'s in-step column): the caller times the pass as a whole, so that its difference
     from the whole step is what those kernels cost inside the step, their barriers and tails
@@ -132,19 +141,8 @@ class LeavingOutEncoder:
 
     def run(self, kernel, buffers: dict, values: dict, per_step: bool = False) -> None:
         self.names.append(kernel.name)
-        if kernel.name in self.leave_out:
-            return
-        bound = kernel.bind(buffers, values)
-        bound.dispatch(self.batch)
-        bound.release_after(self.batch)
-
-    @contextmanager
-    def timed(self, begin: int | None, end: int | None):
-        yield
-
-    @contextmanager
-    def whole_pass(self, stamps: PassStamps):
-        yield
+        if kernel.name not in self.leave_out:
+            dispatch_alone(self.batch, kernel, buffers, values)
 
 
 # -- attention calls ------------------------------------------------------------------------------------

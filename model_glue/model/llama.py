@@ -337,6 +337,15 @@ class LlamaModel:
             await self.pipeline.read_back(step)
         self.rollback(steps[0].start)
 
+    def _lone_decode_step(self) -> tuple[int, PassPlan, int]:
+        """A greedy decode step after the cached context, outside the pipeline (the profiler's): its
+        position, plan and used pages, its K/V slot reserved and its inputs written."""
+        start = self.kv.length
+        plan = self.plan_pass(1, start)
+        slots = self.kv.reserve(1)
+        self.ensure_scratch(1)
+        return start, plan, self._write_inputs(None, start, slots, [start + 1])
+
     async def profile_decode_step(self, stamps, in_pass: bool = False) -> tuple[AttentionChoice,
                                                                                 list[tuple[str, dict, int]]]:
         """One greedy decode step after the cached context, every dispatch timed: in a pass of its own,
@@ -348,11 +357,7 @@ class LlamaModel:
             raise ModelError("profiling inside the pass needs an adapter that writes timestamps inside passes")
         if self.pipeline.in_flight or not self.cached_ids:
             raise ModelError("profile a step after a finished run, with no pass in flight")
-        start = self.kv.length
-        plan = self.plan_pass(1, start)
-        slots = self.kv.reserve(1)
-        self.ensure_scratch(1)
-        nnz_pages = self._write_inputs(None, start, slots, [start + 1])
+        start, plan, nnz_pages = self._lone_decode_step()
         batch = self.device.batch()
         enc = ProfilingEncoder(batch, stamps, in_pass)
         encode_forward(self, enc, plan, nnz_pages, None, 0.0)
@@ -378,11 +383,7 @@ class LlamaModel:
             raise ModelError("time a step after a finished run, with no pass in flight")
         if stamps.count != 2 * len(leave_outs):  # resolve only written queries (unwritten ones can hang)
             raise ValueError(f"{len(leave_outs)} passes need {2 * len(leave_outs)} queries, not {stamps.count}")
-        start = self.kv.length
-        plan = self.plan_pass(1, start)
-        slots = self.kv.reserve(1)
-        self.ensure_scratch(1)
-        nnz_pages = self._write_inputs(None, start, slots, [start + 1])
+        start, plan, nnz_pages = self._lone_decode_step()
         batch = self.device.batch()
         names: list[str] = []
         for i, leave_out in enumerate(leave_outs):
