@@ -80,7 +80,8 @@ function showAdapter(device, probe) {
     ["name", device.adapter], ["backend", device.backend],
     ["shader-f16", device.shader_f16_note],
     ["timestamp-query", !device.timestamp_query ? "no (no attention timings)"
-      : device.timestamps_inside_passes ? "yes, inside passes (attention timed in sampled steps, inside the step's pass)"
+      : device.timestamps_inside_passes
+        ? "yes, inside passes (attention timed in sampled steps, inside the step's pass)"
       : "yes, at pass boundaries (attention timed in sampled steps, a pass a layer)"],
     ["subgroups", device.subgroup_min_size
       ? `${device.subgroup_min_size}-${device.subgroup_max_size} invocations (subgroup attention kernels)`
