@@ -5,6 +5,7 @@
 // (the chat and the comparison), overlay.js (timings), export.js, faults.js (errors, a lost
 // device, long tasks), weights_cache.js, lab.js.
 import { compare, fillLongDocument, finishReply, addMessage, missesText, newChat, send, setBusy, stopRunning, TextStream } from "./chat_view.js";
+import { ClockWarm, HOLD_MS } from "./clock_warm.js";
 import { exportSteps } from "./export.js";
 import { keeper } from "./gguf_keeper.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
@@ -33,6 +34,8 @@ const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 // ?keepChunk=BYTES: the chunk an opened GGUF is hashed and stored by in the background (keepGguf).
 const KEEP_CHUNK = Number(params.get("keepChunk")) || GGUF_CHUNK_BYTES;
+// ?warm=off: no clock warm while typing (clock_warm.js); ?warm=on: one on a CPU adapter too (the tests).
+const WARM = params.get("warm");
 watchLongTasks();
 
 // The runtime's numbers the page shows (chat/api.py, through page_api.js), never copied here.
@@ -75,7 +78,7 @@ function finishSteps(summary) {
   }
 }
 
-function showAdapter(device, probe) {
+function showAdapter(device, probe, warm) {
   definitionList($("adapter"), [
     ["name", device.adapter], ["backend", device.backend],
     ["shader-f16", device.shader_f16_note],
@@ -88,6 +91,8 @@ function showAdapter(device, probe) {
       : "no (shards attention kernels)"],
     ["subgroup matrices", device.subgroup_matrix_configs.length
       ? `${device.subgroup_matrix_configs.join(", ")} (tensor-core prefill matmuls)` : "no (scalar prefill matmuls)"],
+    ["clock warm", warm.on ? `${warm.reason}: a compute kernel keeps the clocks up until ${HOLD_MS / 1000} s after ` +
+      "the last key, so a reply starts at full clocks (?warm=off turns it off)" : warm.reason],
     ["features", device.features.join(", ")],
   ]);
   const verdict = $("probe-verdict");
@@ -307,8 +312,10 @@ async function boot() {
   const device = await openSession(python);
   step("Self-test: running a TVM-built kernel…");
   const probe = JSON.parse(await python.call("selfTest"));
-  showAdapter(device, probe);
-  Object.assign(state, { device, probe });
+  const warm = new ClockWarm(() => !state.busy && !state.deviceLost);
+  if (params.get("model") !== "off") await warm.open(WARM, device.cpu);
+  showAdapter(device, probe, warm.status);
+  Object.assign(state, { device, probe, warm: warm.status });
   if (params.get("model") === "off") {
     await setUpLab(app);
     state.ready = true;  // with the lab's controls wired (tools click them as soon as this holds)
@@ -326,15 +333,18 @@ async function boot() {
   step(`Ready: ${ready}.`);
   finishSteps(`ready: ${ready} (click for the loading steps)`);
   $("chat-panel").hidden = false;
-  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); send(app); });
+  // Typing keeps the GPU's clocks up; a turn stops that before it starts.
+  const start = (turn) => { warm.stop(); turn(app); };
+  $("chat-form").addEventListener("submit", (e) => { e.preventDefault(); start(send); });
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(app); }
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); start(send); }
   });
+  $("prompt").addEventListener("input", () => warm.nudge());
   $("stop").addEventListener("click", () => python.call("stop"));
-  $("compare").addEventListener("click", () => compare(app));
+  $("compare").addEventListener("click", () => start(compare));
   $("new-chat").addEventListener("click", () => newChat(app));
   $("reload-model").addEventListener("click", () => reloadModel(app));
-  $("long-document").addEventListener("click", fillLongDocument);
+  $("long-document").addEventListener("click", () => { fillLongDocument(); warm.nudge(); });
   $("export-csv").addEventListener("click", () => exportSteps("csv", exportAbout()));
   $("export-json").addEventListener("click", () => exportSteps("json", exportAbout()));
   $("open-gguf").hidden = false;

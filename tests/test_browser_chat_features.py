@@ -60,6 +60,16 @@ def test_a_second_load_takes_the_weights_from_the_browser_cache(tab, browser, se
         again.close()
 
 
+def test_a_cpu_adapter_does_not_warm_the_clocks(tab):
+    """SwiftShader has no clocks to raise: the clock warm stays off, and the adapter panel says why."""
+    warm = tab.evaluate("({...window.demoState.warm})")
+    assert not warm["on"] and "CPU adapter" in warm["reason"], warm
+    tab.type("#prompt", "x")
+    assert tab.evaluate("window.demoState.warm.dispatches") == 0
+    tab.fill("#prompt", "")
+    assert "a CPU adapter has no clocks to raise" in tab.inner_text("#adapter")
+
+
 def test_a_corrupted_cache_entry_is_dropped_and_fetched_again_and_the_cache_can_be_cleared(tab, browser, server):
     # overwrite the cached weights (same key) with bytes of the right length, one flipped (from the
     # module's page: the same profile, so the same cache)

@@ -1,0 +1,48 @@
+"""The clock warm (static/clock_warm.js) in headless Chromium (SwiftShader, tiny_chat), forced on
+with ?warm=on: typing runs its kernel, a reply stops it, and nothing runs while the page is busy.
+(Off by default on a CPU adapter: test_browser_chat_features. Whether it raises a real GPU's clocks
+is a benchmark: docs/benchmarks.md.)"""
+
+import pytest
+from conftest import open_page
+
+pytestmark = pytest.mark.browser
+LOAD_TIMEOUT_MS = 300_000
+REPLY_TIMEOUT_MS = 300_000
+LOADED = "window.demoState.chatReady || window.demoState.error"
+
+
+def warm_status(tab) -> dict:
+    return tab.evaluate("({...window.demoState.warm})")
+
+
+def test_typing_runs_the_warm_and_a_reply_stops_it(browser, server):
+    tab = open_page(browser, server + "/?model=tiny_chat&warm=on", LOADED, LOAD_TIMEOUT_MS)
+    try:
+        assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
+        status = warm_status(tab)
+        assert status["on"] and status["dispatches"] == 0, status
+        assert "clock warm" in tab.inner_text("#adapter")
+
+        tab.type("#prompt", "Hello")  # input events: the warm runs until 2 s after the last one
+        tab.wait_for_function("() => window.demoState.warm.dispatches >= 1", timeout=60_000)
+        tab.wait_for_function("() => !window.demoState.warm.running", timeout=60_000)
+        idle = warm_status(tab)
+        assert idle["bursts"] == 1, idle
+
+        tab.type("#prompt", " there")
+        tab.wait_for_function("() => window.demoState.warm.running", timeout=60_000)
+        tab.fill("#max-tokens", "8")
+        at_send = tab.evaluate("""() => {
+            window.demoState.lastReply = null;
+            document.getElementById('send').click();
+            return window.demoState.warm.dispatches;
+        }""")
+        tab.wait_for_function("() => window.demoState.lastReply", timeout=REPLY_TIMEOUT_MS)
+        after = warm_status(tab)
+        assert not after["running"], after
+        assert after["dispatches"] <= at_send + 1, (at_send, after)  # the one in flight at most
+        assert tab.evaluate("window.demoState.lastReply.text").strip()
+        assert tab.is_hidden("#chat-error")
+    finally:
+        tab.close()
