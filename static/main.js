@@ -34,7 +34,7 @@ const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 // ?keepChunk=BYTES: the chunk an opened GGUF is hashed and stored by in the background (keepGguf).
 const KEEP_CHUNK = Number(params.get("keepChunk")) || GGUF_CHUNK_BYTES;
-// ?warm=off: no clock warm while typing (clock_warm.js); ?warm=on: one on a CPU adapter too (the tests).
+// ?warm=on: the GPU's clocks kept up while the user types (clock_warm.js).
 const WARM = params.get("warm");
 watchLongTasks();
 
@@ -92,7 +92,7 @@ function showAdapter(device, probe, warm) {
     ["subgroup matrices", device.subgroup_matrix_configs.length
       ? `${device.subgroup_matrix_configs.join(", ")} (tensor-core prefill matmuls)` : "no (scalar prefill matmuls)"],
     ["clock warm", warm.on ? `${warm.reason}: a compute kernel keeps the clocks up until ${HOLD_MS / 1000} s after ` +
-      "the last key, so a reply starts at full clocks (?warm=off turns it off)" : warm.reason],
+      "the last key, so a reply starts at full clocks" : warm.reason],
     ["features", device.features.join(", ")],
   ]);
   const verdict = $("probe-verdict");
