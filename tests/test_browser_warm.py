@@ -1,10 +1,12 @@
 """The clock warm (static/clock_warm.js) in headless Chromium (SwiftShader, tiny_chat), forced on
 with ?warm=on: typing runs its kernel, a reply stops it, and nothing runs while the page is busy.
-(Off by default on a CPU adapter: test_browser_chat_features. Whether it raises a real GPU's clocks
+(Off without ?warm=on: test_browser_chat_features. Whether it raises a real GPU's clocks
 is a benchmark: docs/benchmarks.md.)"""
 
 import pytest
 from conftest import open_page
+
+from app.bench.page import PageDriver
 
 pytestmark = pytest.mark.browser
 LOAD_TIMEOUT_MS = 300_000
@@ -44,5 +46,11 @@ def test_typing_runs_the_warm_and_a_reply_stops_it(browser, server):
         assert after["dispatches"] <= at_send + 1, (at_send, after)  # the one in flight at most
         assert tab.evaluate("window.demoState.lastReply.text").strip()
         assert tab.is_hidden("#chat-error")
+
+        # `bench page --first-turns --typing`: its typing runs the warm, and its turn gives its figures.
+        before = warm_status(tab)["dispatches"]
+        turn = PageDriver(tab, tab.url).first_turn("Hello there", 4, typing_s=0.5)
+        assert turn["tokens"] >= 1 and turn["decode_steps"] >= 1 and turn["speed"]["ttft_ms"] > 0, turn
+        assert warm_status(tab)["dispatches"] > before
     finally:
         tab.close()

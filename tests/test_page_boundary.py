@@ -197,6 +197,8 @@ def test_bench_page_flags_for_swiftshader_and_for_a_gpu(monkeypatch):
     assert flags[-1] == chat.page.NVIDIA_F16_FLAG and set(GPU_FLAGS) <= set(flags) and args.chromium == "/opt/chromium"
     args = _page_args(monkeypatch, "--gpu", "--no-f16-flag")
     assert chat.page.NVIDIA_F16_FLAG not in chromium_flags(args.gpu, not args.no_f16_flag)
+    args = _page_args(monkeypatch, "--gpu", "--first-turns", "30", "--typing", "1.5", "--warm")
+    assert (args.first_turns, args.typing, args.warm, args.first_tokens) == (30.0, 1.5, True, None)
 
 
 def test_bench_page_help_names_the_f16_flag(capsys):
@@ -225,12 +227,16 @@ def test_bench_page_table_names_each_figure():
                           "runs": {"tiled": turn, "sharded": turn}},
               "encode": {"python": {"encode_median_ms": 3.0}, "replay": {"encode_median_ms": 0.2},
                          "ids_identical": True},
+              "first_turns": {"idle_s": 30.0, "typing_s": 1.5, "warm": True, "after_load": turn,
+                              "after_idle": {**turn, "median_gpu_ms": 3.23}},
               "long_tasks": {"count": 0, "worst_ms": 0}}
     table = "\n".join(f"{name}: {value}" for name, value in report_rows(result))
     for text in ("Ready (weights from the network): 9.10 s", "Ready (weights from the cache): 4.40 s",
                  "short prompt (37 prompt tokens): TTFT: 20 ms", "long document (1,536 prompt tokens): TTFT",
                  "512.0 tok/s", "first divergence at token 12", "63/64", "attention past 256 tokens",
-                 "tiled/sharded 10.80x", "3.000 / 0.200 ms", "main-thread long tasks (> 50 ms): 0"):
+                 "tiled/sharded 10.80x", "3.000 / 0.200 ms", "main-thread long tasks (> 50 ms): 0",
+                 "first turn after load (1.5 s of typing, ?warm=on) (1,536 prompt tokens): TTFT",
+                 "first turn after 30 s idle (1.5 s of typing, ?warm=on): decode (63 steps)", "GPU 3.23 ms"):
         assert text in table, (text, table)
 
 

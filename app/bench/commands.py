@@ -168,6 +168,14 @@ def add_page(sub) -> None:
     page.add_argument("--prefill", type=_int_list,
                       help="also check and time the prefill matmuls, then prefill prompts of these lengths "
                            "(e.g. 512,1536,3060,8000), subgroup-matrix and scalar builds in turn")
+    page.add_argument("--first-turns", type=float, metavar="SECONDS",
+                      help="before the other turns, the long document as a first turn right after Ready and again "
+                           "after SECONDS idle (an idle GPU's clocks are low; e.g. 30)")
+    page.add_argument("--first-tokens", type=int, help="tokens of each first turn's reply (default 32 with --gpu, else 4)")
+    page.add_argument("--typing", type=float, default=0.0, metavar="SECONDS",
+                      help="before each first turn, input events in the box for SECONDS, one every 0.1 s (default 0)")
+    page.add_argument("--warm", action="store_true",
+                      help="the page's clock warm while typing (?warm=on: static/clock_warm.js)")
     page.add_argument("--lab", action="store_true",
                       help="run the page's kernel lab instead (?model=off): tiled vs sharded attention per layer")
     page.add_argument("--lab-contexts", type=_int_list, help="the lab's contexts (default: the page's for the adapter)")

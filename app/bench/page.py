@@ -51,8 +51,9 @@ DEFAULT_CHROMIUM = "/usr/bin/chromium"  # Debian's (make setup installs it)
 SHORT_PROMPT = "What is the capital of France?"
 # Tokens per turn and decode steps per mode of the encode benchmark: on a GPU, enough for steady
 # figures; on SwiftShader a tiny_chat decode step takes 0.5-5 s (Dawn zero-fills workgroup memory).
-GPU_TOKENS = {"short": 32, "long": 64, "compare": 64, "steps": 8}
-CPU_TOKENS = {"short": 4, "long": 4, "compare": 4, "steps": 4}
+GPU_TOKENS = {"short": 32, "long": 64, "compare": 64, "steps": 8, "first": 32}
+CPU_TOKENS = {"short": 4, "long": 4, "compare": 4, "steps": 4, "first": 4}
+KEY_INTERVAL_S = 0.1  # --typing: one input event this often, as a typist's keys make them
 # SwiftShader prefills the whole document (~1,500 tokens) in minutes: by default it gets its head, cut
 # at a space before this many characters (just past the switch, as tests/test_browser_chat_features.py).
 CPU_LONG_CHARS = 1100
@@ -156,6 +157,17 @@ class PageDriver:
         return {"prompt_tokens": reply["prompt_tokens"], "tokens": len(reply["token_ids"]),
                 "stop_reason": reply["stop_reason"], "speed": reply["speed"], "wall_s": wall,
                 **step_medians(stats), "text": reply["text"]}
+
+    def first_turn(self, text: str, max_tokens: int, typing_s: float) -> dict:
+        """A turn in a new chat after `typing_s` seconds of input events in the box (the clock warm,
+        ?warm=on, runs on them): `reply`'s figures."""
+        self.new_chat()
+        self.tab.fill("#prompt", text)
+        ends = time.perf_counter() + typing_s
+        while time.perf_counter() < ends:
+            self.tab.evaluate("document.getElementById('prompt').dispatchEvent(new Event('input'))")
+            time.sleep(KEY_INTERVAL_S)
+        return self.reply(text, max_tokens)
 
     def compare(self, text: str, max_tokens: int) -> dict:
         """Compare nests: the verdict, the teacher-forced agreement, the attention past the switch."""
@@ -280,6 +292,11 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
                      f"{_num(speed['decode_tok_s'])} tok/s; median step {_num(run['median_step_ms'], 2, ' ms')}, "
                      f"GPU {_num(run['median_gpu_ms'], 2, ' ms')}, attention {_num(run['median_attention_ms'], 3, ' ms')}"))
 
+    first = result.get("first_turns")
+    if first:
+        typing = f"{first['typing_s']:g} s of typing" + (", ?warm=on" if first["warm"] else "")
+        turn(f"first turn after load ({typing})", first["after_load"])
+        turn(f"first turn after {first['idle_s']:g} s idle ({typing})", first["after_idle"])
     for key, label in (("short", "short prompt"), ("long", "long document")):
         if key in result:
             turn(label, result[key])
@@ -364,7 +381,7 @@ def run_page_bench(args) -> dict:
         raise SystemExit(f"no Chromium at {chromium}: `make setup` installs Debian's (or pass --chromium PATH)")
     flags = chromium_flags(args.gpu, not args.no_f16_flag)
     tokens = {**(GPU_TOKENS if args.gpu else CPU_TOKENS),
-              **{k: v for k, v in (("short", args.short_tokens), ("long", args.long_tokens),
+              **{k: v for k, v in (("short", args.short_tokens), ("long", args.long_tokens), ("first", args.first_tokens),
                                    ("compare", args.compare_tokens), ("steps", args.steps)) if v is not None}}
     long_chars = args.long_chars if args.long_chars is not None else (0 if args.gpu else CPU_LONG_CHARS)
     visits = 2 if (args.gpu if args.reload is None else args.reload) else 1
@@ -372,8 +389,9 @@ def run_page_bench(args) -> dict:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     model = "off" if args.lab else args.model
     context = {"context": args.context} if args.context else {}  # the page's ?context= (its default: 4,096)
+    warm = {"warm": "on"} if args.warm else {}
     url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python", **context,
-                                                                        **given_options(args)}, safe=":,")
+                                                                        **warm, **given_options(args)}, safe=":,")
     result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
               "switch_at": constants()["SWITCH_AT"], "loads": []}
     say = lambda text: print(text, flush=True)  # noqa: E731
@@ -397,6 +415,14 @@ def run_page_bench(args) -> dict:
                     result["gguf"] = page.open_gguf(args.gguf)
                     say(f"opened {args.gguf.name} in {result['gguf']['ready_s']:.2f} s: {result['gguf']['status']}")
                     result["gguf"]["keeping_at_short"] = page.keeping()
+                if args.first_turns is not None:  # first, while the load's work is the GPU's last
+                    document = page.long_document(long_chars)
+                    first = {"idle_s": args.first_turns, "typing_s": args.typing, "warm": args.warm}
+                    first["after_load"] = page.first_turn(document, tokens["first"], args.typing)
+                    time.sleep(args.first_turns)
+                    first["after_idle"] = page.first_turn(document, tokens["first"], args.typing)
+                    result["first_turns"] = first
+                    say(f"first turns: after load, and after {args.first_turns:g} s idle")
                 result["short"] = page.reply(SHORT_PROMPT, tokens["short"])
                 say(f"short prompt: {result['short']['tokens']} tokens")
                 document = page.long_document(long_chars)
