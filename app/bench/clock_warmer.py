@@ -5,8 +5,8 @@ probe kernel for that long, so that the timed calls after it run at full clocks.
 stops after `seconds` of wall time or when `cancel()` is called, and waits for each batch it submits
 (batches double from one dispatch up to `max_batch`), so at most one batch is still queued after it.
 
-(The page does not warm: streaming work before a reply made the reply slower on an H200,
-docs/benchmarks.md.)
+(The page does not stream to warm: streaming work before a reply made the reply slower on an H200,
+docs/benchmarks.md. Its opt-in warm, static/clock_warm.js, spins a compute-bound kernel instead.)
 """
 
 from __future__ import annotations
