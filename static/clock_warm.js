@@ -29,7 +29,7 @@ export class ClockWarm {
   // `idle()`: whether the page may run the warm now (false while a reply or a load runs).
   constructor(idle) {
     this.idle = idle;
-    this.device = null;
+    this.gpu = null;
     this.until = 0;
     this.status = { on: false, reason: "not opened", running: false, dispatches: 0, bursts: 0 };
   }
@@ -40,19 +40,19 @@ export class ClockWarm {
     try {
       const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
       if (!adapter) return this.off("off (no adapter for it)");
-      this.device = await adapter.requestDevice();
+      this.gpu = await adapter.requestDevice();
     } catch (err) {  // the chat does not need it
       return this.off(`off (${err.message || err})`);
     }
-    this.device.lost.then(() => { this.device = null; this.off("off (its device was lost)"); });
+    this.gpu.lost.then(() => { this.gpu = null; this.off("off (its device was lost)"); });
     const { workgroups, iterations } = cpu ? CPU_SPIN : GPU_SPIN;
-    const pipeline = this.device.createComputePipeline({
-      layout: "auto", compute: { module: this.device.createShaderModule({ code: SPIN_SHADER }), entryPoint: "main" },
+    const pipeline = this.gpu.createComputePipeline({
+      layout: "auto", compute: { module: this.gpu.createShaderModule({ code: SPIN_SHADER }), entryPoint: "main" },
     });
-    const uniform = this.device.createBuffer({ size: 16, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
-    this.device.queue.writeBuffer(uniform, 0, new Uint32Array([iterations, 0, 0, 0]));
-    const sink = this.device.createBuffer({ size: workgroups * WORKGROUP_SIZE * 4, usage: GPUBufferUsage.STORAGE });
-    this.spin = { pipeline, workgroups, bindings: this.device.createBindGroup({ layout: pipeline.getBindGroupLayout(0),
+    const uniform = this.gpu.createBuffer({ size: 16, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
+    this.gpu.queue.writeBuffer(uniform, 0, new Uint32Array([iterations, 0, 0, 0]));
+    const sink = this.gpu.createBuffer({ size: workgroups * WORKGROUP_SIZE * 4, usage: GPUBufferUsage.STORAGE });
+    this.spin = { pipeline, workgroups, bindings: this.gpu.createBindGroup({ layout: pipeline.getBindGroupLayout(0),
       entries: [{ binding: 0, resource: { buffer: uniform } }, { binding: 1, resource: { buffer: sink } }] }) };
     Object.assign(this.status, { on: true, reason: "on while you type", iterations, workgroups });
   }
@@ -63,7 +63,7 @@ export class ClockWarm {
 
   // Input arrived: keep the clocks up until HOLD_MS from now.
   nudge() {
-    if (!this.device || !this.idle()) return;
+    if (!this.gpu || !this.idle()) return;
     this.until = performance.now() + HOLD_MS;
     if (!this.status.running) this.run();
   }
@@ -77,15 +77,15 @@ export class ClockWarm {
     this.status.running = true;
     this.status.bursts += 1;
     try {
-      while (this.device && performance.now() < this.until && this.idle()) {
-        const encoder = this.device.createCommandEncoder();
+      while (this.gpu && performance.now() < this.until && this.idle()) {
+        const encoder = this.gpu.createCommandEncoder();
         const pass = encoder.beginComputePass();
         pass.setPipeline(this.spin.pipeline);
         pass.setBindGroup(0, this.spin.bindings);
         pass.dispatchWorkgroups(this.spin.workgroups);
         pass.end();
-        this.device.queue.submit([encoder.finish()]);
-        await this.device.queue.onSubmittedWorkDone();
+        this.gpu.queue.submit([encoder.finish()]);
+        await this.gpu.queue.onSubmittedWorkDone();
         this.status.dispatches += 1;
       }
     } finally {
