@@ -1,6 +1,6 @@
 // Keeps the GPU's clocks up while the user types, so that a reply starts at full clocks.
-// An idle GPU lowers its clocks within about two seconds and needs a few hundred milliseconds of
-// sustained work to raise them again: longer than a short reply of a small model lasts. While input
+// An idle GPU lowers its clocks, and needs longer sustained work to raise them again than a small
+// model's short reply gives it (docs/benchmarks.md). While input
 // arrives (and HOLD_MS after the last of it), a compute-bound kernel runs back to back on a device
 // of its own, one dispatch in flight, so a reply sent meanwhile waits behind one dispatch at most.
 // Light work does not hold the clocks, and streaming reads slowed the next reply (docs/benchmarks.md).
@@ -21,7 +21,7 @@ fn main(@builtin(global_invocation_id) id: vec3u) {
 }`;
 
 const WORKGROUP_SIZE = 64;
-const GPU_SPIN = { workgroups: 128, iterations: 400_000 };  // about a millisecond at full clocks
+const GPU_SPIN = { workgroups: 128, iterations: 400_000 };  // a short dispatch: a turn waits behind one
 const CPU_SPIN = { workgroups: 1, iterations: 1_000 };
 export const HOLD_MS = 2000;  // how long after the last input the clocks are kept up
 
