@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.family import family
 from contract.model import LlamaConfig
 
 
@@ -78,30 +79,26 @@ def type_name(type_id: int) -> str:
     return known.name if known else GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
 
 
-ARCHITECTURE = "llama"
-
-
-def llama_config_from_metadata(metadata: dict, *, has_output_head: bool, embedding_rows: int | None = None) -> LlamaConfig:
-    """The model config a llama GGUF's metadata gives (values as Python; the runtime's pure-Python
-    reader and the converter's `gguf` package both produce them), without RoPE scaling: that is the
-    rope_freqs tensor, matched against the contract's configs by the runtime. ValueError names what is
-    missing or not llama."""
+def config_from_metadata(metadata: dict, *, has_output_head: bool, embedding_rows: int | None = None) -> LlamaConfig:
+    """The model config a GGUF's metadata gives (values as Python; the runtime's pure-Python reader and
+    the converter's `gguf` package both produce them), for any family of contract.family.FAMILIES,
+    without RoPE scaling: that is the rope_freqs tensor, matched against the contract's configs by the
+    runtime. ValueError names what is missing or which architectures run."""
     arch = metadata.get("general.architecture")
-    if arch != ARCHITECTURE:
-        raise ValueError(f"this GGUF's architecture is {arch!r}; the runtime runs {ARCHITECTURE!r} models "
-                         "(Llama 2 / 3.x, SmolLM / SmolLM2, TinyLlama and the like)")
+    fam = family(str(arch))
 
     def field(key, default=None):
-        value = metadata.get(f"{ARCHITECTURE}.{key}", default)
+        value = metadata.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"the GGUF lacks {ARCHITECTURE}.{key}")
+            raise ValueError(f"the GGUF lacks {arch}.{key}")
         return value
 
     dim, n_heads = int(field("embedding_length")), int(field("attention.head_count"))
-    vocab = metadata.get(f"{ARCHITECTURE}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ()) \
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ()) \
         or embedding_rows
     if not vocab:
-        raise ValueError("the GGUF gives no vocabulary size (llama.vocab_size, tokenizer.ggml.tokens)")
+        raise ValueError(f"the GGUF gives no vocabulary size ({arch}.vocab_size, tokenizer.ggml.tokens)")
+    window = metadata.get(f"{arch}.attention.sliding_window") if fam.global_every else None
     return LlamaConfig(
         dim=dim, n_layers=int(field("block_count")), n_heads=n_heads,
         n_kv_heads=int(field("attention.head_count_kv", n_heads)),
@@ -109,4 +106,4 @@ def llama_config_from_metadata(metadata: dict, *, has_output_head: bool, embeddi
         ffn_dim=int(field("feed_forward_length")), vocab_size=int(vocab),
         rope_theta=float(field("rope.freq_base", 10000.0)),
         rms_eps=round(float(field("attention.layer_norm_rms_epsilon")), 12),  # f32: 9.99999974738e-06 means 1e-05
-        tied_embeddings=not has_output_head)
+        tied_embeddings=not has_output_head, family=fam.name, sliding_window=int(window) if window else None)

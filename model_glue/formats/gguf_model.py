@@ -18,8 +18,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, replace
 
-from contract.gguf import (ARCHITECTURE, GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, llama_config_from_metadata,
+from contract.gguf import (GGML_TYPES, GGML_TYPES_BY_ID, EXACT_REPACKS, config_from_metadata,
                            type_name, wide_matrices)
+from contract.family import GGUF_LAYER_NORMS
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, LlamaConfig, layer_matrices, model_tensors,
                             rope_frequency_divisors)
 from model_glue.errors import ModelError
@@ -30,11 +31,11 @@ ROPE_FREQS_RTOL = 1e-4  # the file's f32 divisors against the contract's formula
 
 
 def llama_config(header: GGUFHeader) -> LlamaConfig:
-    """The file's model config (contract.gguf.llama_config_from_metadata), without RoPE scaling: a
+    """The file's model config (contract.gguf.config_from_metadata), without RoPE scaling: a
     file's rope_freqs tensor is matched against the known scalings in `with_rope_scaling`."""
     embedding = header.tensors.get("token_embd.weight")
     try:
-        return llama_config_from_metadata(header.metadata, has_output_head="output.weight" in header.tensors,
+        return config_from_metadata(header.metadata, has_output_head="output.weight" in header.tensors,
                                           embedding_rows=embedding.shape[1] if embedding else None)
     except ValueError as err:
         raise ModelError(str(err)) from err
@@ -86,7 +87,8 @@ def shape_name(config: LlamaConfig) -> str:
 
 @dataclass(frozen=True)
 class TensorPart:
-    """One GGUF tensor's share of a runtime tensor: `first_block` is where its 32-weight blocks start."""
+    """One GGUF tensor's share of a runtime tensor: `first_block` is where its 32-weight blocks start
+    (an f32 tensor's part: the element it starts at)."""
 
     tensor: GGUFTensor
     first_block: int
@@ -104,9 +106,11 @@ class PlannedTensor:
 
 
 def _gguf_names(layer: int) -> dict[str, tuple[str, ...]]:
+    """Each runtime tensor group of a layer -> the GGUF tensors (in row order) it is made of."""
     b = f"blk.{layer}"
-    return {"attn_norm": (f"{b}.attn_norm.weight",), "ffn_norm": (f"{b}.ffn_norm.weight",),
-            "qkv": (f"{b}.attn_q.weight", f"{b}.attn_k.weight", f"{b}.attn_v.weight"),
+    names = {norm: (f"{b}.{gguf}.weight",) for norm, gguf in GGUF_LAYER_NORMS.items()}
+    return {**names, "qkv": (f"{b}.attn_q.weight", f"{b}.attn_k.weight", f"{b}.attn_v.weight"),
+            "qkv_bias": (f"{b}.attn_q.bias", f"{b}.attn_k.bias", f"{b}.attn_v.bias"),
             "o": (f"{b}.attn_output.weight",), "gate_up": (f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"),
             "down": (f"{b}.ffn_down.weight",)}
 
@@ -128,7 +132,7 @@ def tensor_plan(header: GGUFHeader, config: LlamaConfig) -> list[PlannedTensor]:
     plan = []
     for group, specs in groups.items():
         role = specs[0].role
-        target = {"q4": "q4", "q8": "q8", "q8a": "q8a", "norm": "f32"}[role]
+        target = {"q4": "q4", "q8": "q8", "q8a": "q8a", "norm": "f32", "bias": "f32"}[role]
         rows = specs[0].shape[0] if target != "f32" else 1
         cols = specs[0].shape[-1] * {"q4": 8, "q8": 4, "q8a": 4, "f32": 1}[target]
         parts, row, exact = [], 0, True
@@ -141,13 +145,21 @@ def tensor_plan(header: GGUFHeader, config: LlamaConfig) -> list[PlannedTensor]:
                 raise ModelError(f"tensor {source} is {tensor.type_name}, which this runtime does not read "
                                  f"(it reads {', '.join(GGML_TYPES)})")
             if target == "f32" and ggml.name not in ("F32", "F16"):
-                raise ModelError(f"norm {source} is {ggml.name}; expected F32 or F16")
-            if tensor.shape[0] != cols or (target != "f32" and len(tensor.shape) != 2):
+                raise ModelError(f"{role} {source} is {ggml.name}; expected F32 or F16")
+            if target == "f32":  # a vector (norm, bias), or the concatenation of a few (q, k, v biases)
+                if len(tensor.shape) != 1:
+                    raise ModelError(f"tensor {source} has shape {list(tensor.shape)}, expected a vector")
+                parts.append(TensorPart(tensor, row))  # f32: the element it starts at
+                row += tensor.shape[0]
+                continue
+            if tensor.shape[0] != cols or len(tensor.shape) != 2:
                 raise ModelError(f"tensor {source} has shape {list(tensor.shape)}, expected {cols} columns "
                                  "(ne0 first)")
             parts.append(TensorPart(tensor, row * cols // 32))
-            row += tensor.shape[1] if len(tensor.shape) > 1 else 1
+            row += tensor.shape[1]
             exact = exact and (target == "f32" or (ggml.name, target) in EXACT_REPACKS)
+        if target == "f32":
+            row, rows = row, cols
         if row != rows:
             raise ModelError(f"{' + '.join(_source_names(group))} give {row} rows; {group} needs {rows}")
         plan.append(PlannedTensor(tuple(s.name for s in specs), tuple(s.nbytes for s in specs), target, tuple(parts),
@@ -163,7 +175,7 @@ def f32_values(tensor: GGUFTensor, raw: bytes) -> bytes:
 
 
 def context_length(header: GGUFHeader) -> int:
-    return int(header.get(f"{ARCHITECTURE}.context_length", DEFAULT_CONTEXT_LENGTH))
+    return int(header.get(f"{header.get('general.architecture')}.context_length", DEFAULT_CONTEXT_LENGTH))
 
 
 def parse_f32(raw: bytes) -> list[float]:
