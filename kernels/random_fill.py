@@ -6,6 +6,9 @@ Element i of a fill with seed s is a function of (i, s) alone (PCG's output hash
 a fill gives the same values on every adapter and for any workgroup count. The grid is fixed
 (WORKGROUPS x THREADS invocations); each invocation strides over the buffer, so a buffer of any
 length `n` (a PODArg) fits one dispatch without running into the 65,535 workgroups of a grid axis.
+A dispatch may fill a slice of a tensor (one past the adapter's binding limit is filled a binding at
+a time): its element i is the tensor's element `element_base + i`, so the values do not depend on
+how the tensor is sliced.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def random_words():
     random_word = _random_macro()
 
     @T.prim_func(s_tir=True)
-    def random_words_kernel(out_h: T.handle, seed: T.int32):
+    def random_words_kernel(out_h: T.handle, seed: T.int32, element_base: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         out = T.match_buffer(out_h, (n,), "uint32")
@@ -66,7 +69,7 @@ def random_words():
                     for trip in T.serial(T.ceildiv(n, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < n:
-                            random_word(h, i, seed, 0)
+                            random_word(h, element_base + i, seed, 0)
                             out[i] = h[0]
 
     return random_words_kernel
@@ -77,7 +80,7 @@ def random_uniform():
     random_word = _random_macro()
 
     @T.prim_func(s_tir=True)
-    def random_uniform_kernel(out_h: T.handle, seed: T.int32, lo: T.float32, hi: T.float32):
+    def random_uniform_kernel(out_h: T.handle, seed: T.int32, lo: T.float32, hi: T.float32, element_base: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         out = T.match_buffer(out_h, (n,), "float32")
@@ -90,7 +93,7 @@ def random_uniform():
                     for trip in T.serial(T.ceildiv(n, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < n:
-                            random_word(h, i, seed, 0)
+                            random_word(h, element_base + i, seed, 0)
                             out[i] = lo + (hi - lo) * _unit(h[0])
 
     return random_uniform_kernel
@@ -102,7 +105,8 @@ def random_q4_blocks():
     random_word = _random_macro()
 
     @T.prim_func(s_tir=True)
-    def random_q4_blocks_kernel(scale_h: T.handle, min_h: T.handle, seed: T.int32, lo: T.float32, hi: T.float32):
+    def random_q4_blocks_kernel(scale_h: T.handle, min_h: T.handle, seed: T.int32, lo: T.float32, hi: T.float32,
+                                element_base: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         scale = T.match_buffer(scale_h, (n,), "float32")
@@ -117,10 +121,10 @@ def random_q4_blocks():
                     for trip in T.serial(T.ceildiv(n, STRIDE)):
                         i: T.let[T.int32] = trip * STRIDE + g * THREADS + t
                         if i < n:
-                            random_word(h, i, seed, 0)
+                            random_word(h, element_base + i, seed, 0)
                             s[0] = lo + (hi - lo) * _unit(h[0])
                             scale[i] = s[0]
-                            random_word(h, i, seed, 1)
+                            random_word(h, element_base + i, seed, 1)
                             wmin[i] = -s[0] * (T.float32(MIN_CODE_LO) + T.float32(MIN_CODE_SPAN) * _unit(h[0]))
 
     return random_q4_blocks_kernel

@@ -5,7 +5,9 @@ every kernel reads as many bytes as it would for real weights of that shape.
 
 The values are scaled like a real model's so activations stay in f16's range: a Q4 matrix's block
 scale is about 0.5 / sqrt(columns) (weights of standard deviation ~2.3 / sqrt(columns)), norm
-weights near 1. A tensor's values depend on (seed, its index in the tensor list) only.
+weights near 1. A tensor's values depend on (seed, its index in the tensor list) only; a tensor past
+the adapter's binding limit (a large vocabulary's embedding) is filled a binding at a time, to the
+same values (`fill_slices`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import math
 
 from contract.model import LlamaConfig, TensorSpec, model_tensors
+from contract.slices import BINDING_OFFSET_ALIGN
+from model_glue.gpu.webgpu import BufferSlice
 
 FILL_KERNELS = ("random_words", "random_uniform", "random_q4_blocks")
 NORM_RANGE = (0.9, 1.1)
@@ -37,7 +41,7 @@ def fill_dispatches(config: LlamaConfig, seed: int) -> list[tuple[str, tuple[str
     out = []
     for index, t in enumerate(tensors):
         elements = t.nbytes // 4
-        values = {"n": elements, "seed": tensor_seed(seed, index)}
+        values = {"n": elements, "seed": tensor_seed(seed, index), "element_base": 0}
         if t.role in ("q4", "q8"):
             out.append(("random_words", (t.name,), values))
         elif t.role == "q4_scale":
@@ -56,6 +60,16 @@ def _buffer_names(kernel: str) -> tuple[str, ...]:
     return ("scale", "wmin") if kernel == "random_q4_blocks" else ("out",)
 
 
+def fill_slices(elements: int, binding_limit: int | None) -> list[tuple[int, int]]:
+    """(first element, elements) of each dispatch that fills a tensor of `elements` 4-byte values: one,
+    the whole tensor, where it fits a binding of `binding_limit` bytes; else slices of at most that,
+    each starting at a binding offset every adapter accepts."""
+    if binding_limit is None or 4 * elements <= binding_limit:
+        return [(0, elements)]
+    step = binding_limit // BINDING_OFFSET_ALIGN * BINDING_OFFSET_ALIGN // 4
+    return [(first, min(step, elements - first)) for first in range(0, elements, step)]
+
+
 async def fill_synthetic_weights(device, library, config: LlamaConfig, seed: int = 0,
                                  progress=lambda message: None) -> dict:
     """name -> GPU buffer of every tensor of `config`, filled on the GPU; returns once the GPU is done."""
@@ -66,10 +80,16 @@ async def fill_synthetic_weights(device, library, config: LlamaConfig, seed: int
     sizes = {t.name: t.nbytes for t in tensors}
     batch, filled = device.batch(), 0
     dispatches = fill_dispatches(config, seed)
+    limit = device.limits.get("maxStorageBufferBindingSize")
     for k, (kernel, names, values) in enumerate(dispatches, 1):
-        bound = kernels[kernel].bind(dict(zip(_buffer_names(kernel), (weights[n] for n in names))), values)
-        bound.dispatch(batch)
-        bound.release_after(batch)
+        slices = fill_slices(values["n"], limit)
+        for first, elements in slices:
+            buffers = (weights[n] if len(slices) == 1 else BufferSlice(weights[n], 4 * first, 4 * elements)
+                       for n in names)
+            bound = kernels[kernel].bind(dict(zip(_buffer_names(kernel), buffers)),
+                                         {**values, "n": elements, "element_base": first})
+            bound.dispatch(batch)
+            bound.release_after(batch)
         filled += sum(sizes[n] for n in names)
         if k % SUBMIT_EVERY == 0 or k == len(dispatches):
             batch.submit()

@@ -38,7 +38,8 @@ def load_chat(loop, device, library, folder=TINY_CHAT, max_context=1024):
     ("maxStorageBuffersPerShaderStage", 8, "kernel decode_tiled_d64_kv1_qo2_f32 needs 9 (storage buffers"),
     ("maxComputeWorkgroupStorageSize", 4096, "bytes of workgroup storage"),
     ("maxComputeInvocationsPerWorkgroup", 128, "invocations per workgroup"),
-    ("maxStorageBufferBindingSize", 1 << 20, "the largest weight tensor needs"),
+    # (tiny_chat's 6 MiB embedding is bound a slice of its vocabulary at a time: test_big_tensor_slices.py)
+    ("maxStorageBufferBindingSize", 16 << 10, "the largest weight tensor needs"),
 ])
 def test_adapter_limits_too_low_are_refused_at_load(loop, artifact_dir, limit, value, needed_by):
     device = open_device(loop, **{limit: value})

@@ -27,6 +27,7 @@ import random
 import statistics
 
 from app.bench.attention import dispatch_floor, ramp_clocks, stream_bandwidth
+from model_glue.gpu.webgpu import BufferSlice
 from model_glue.model.generate import generate
 
 EMPTY_PASS_CALLS = 64
@@ -60,8 +61,9 @@ def bytes_read(model, library, name: str, buffers: dict, context: int) -> int:
     """Bytes a dispatch must read: the weights it binds, and attention's K/V over the context
     (activations of one token are a few KiB)."""
     weights = {id(buffer) for buffer in model.weights.values()}
-    total = sum(buffer.size for buffer in buffers.values() if id(buffer) in weights)
-    if role_of(model, library, name) == "embed":  # one row of the table
+    bound = [(b.buffer, b.size) if isinstance(b, BufferSlice) else (b, b.size) for b in buffers.values()]
+    total = sum(size for buffer, size in bound if id(buffer) in weights)  # a vocabulary slice's share (contract.slices)
+    if role_of(model, library, name) == "embed":  # one row of the table (over a sliced vocabulary's dispatches)
         return total // model.config.vocab_size
     if library.specs[name].meta.get("kind") == "decode_attention":
         c = model.config

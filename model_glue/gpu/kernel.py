@@ -34,7 +34,7 @@ def evaluate(expr, values: dict[str, float]):
         if expr in values:
             return values[expr]
         if expr.endswith("_elem_offset"):
-            return 0  # we always bind whole buffers
+            return 0  # a binding starts where the kernel's buffer starts (a BufferSlice's offset is the bind group's)
         raise KeyError(f"kernel needs a value for '{expr}'")
     op, lhs, rhs = expr
     return _OPS[op](evaluate(lhs, values), evaluate(rhs, values))
@@ -94,7 +94,8 @@ class Kernel:
         """Bind named GPU buffers and scalar/shape values; the result can be dispatched repeatedly.
 
         `buffers` must name exactly the buffers the kernel declares: a missing one cannot be
-        bound, and an extra one means the caller and the kernel disagree on the contract.
+        bound, and an extra one means the caller and the kernel disagree on the contract. Each is a
+        GPU buffer or a model_glue.gpu.webgpu.BufferSlice of one (a tensor past the binding limit).
         `uniform`, when given, is a uniform buffer already holding `values` (shared by several
         bindings of this kernel; its owner frees it).
         """

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import contextmanager
 
+from contract.slices import BINDING_OFFSET_ALIGN
+
 # WebGPU's GPUBufferUsage / GPUMapMode bits (identical in the JS API and wgpu-py).
 MAP_READ, COPY_SRC, COPY_DST, UNIFORM, STORAGE, QUERY_RESOLVE = 1, 4, 8, 64, 128, 512
 
@@ -37,6 +39,32 @@ SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 # span is then timed without a pass of its own (Chromium's experimental name; wgpu's maps to it).
 TIMESTAMPS_INSIDE_PASSES = "chromium-experimental-timestamp-query-inside-passes"
 OPTIONAL_FEATURES = ("shader-f16", "timestamp-query", "subgroups", SUBGROUP_MATRIX, TIMESTAMPS_INSIDE_PASSES)
+
+
+class BufferSlice:
+    """Bytes [offset, offset + size) of a buffer, bound wherever a whole buffer may be (`Kernel.bind`):
+    a tensor larger than one storage binding (maxStorageBufferBindingSize) is bound a slice at a time
+    (contract.slices). `offset` is a multiple of BINDING_OFFSET_ALIGN, the alignment every adapter
+    accepts (WebGPU's default minStorageBufferOffsetAlignment)."""
+
+    __slots__ = ("buffer", "offset", "size")
+
+    def __init__(self, buffer, offset: int, size: int):
+        if offset % BINDING_OFFSET_ALIGN or size <= 0 or size % 4:
+            raise ValueError(f"a binding's offset must be a multiple of {BINDING_OFFSET_ALIGN} and its size a "
+                             f"positive multiple of 4, not {offset} and {size}")
+        self.buffer, self.offset, self.size = buffer, offset, size
+
+    def __repr__(self) -> str:
+        return f"BufferSlice(offset={self.offset}, size={self.size})"
+
+
+def binding_resource(binding) -> dict:
+    """A bind group entry's resource (the JS API's and wgpu-py's spelling are the same): a whole
+    buffer, or a BufferSlice's range of one."""
+    if isinstance(binding, BufferSlice):
+        return {"buffer": binding.buffer, "offset": binding.offset, "size": binding.size}
+    return {"buffer": binding}
 
 
 def negotiate_limits(offered, caps: dict[str, int] | None = None) -> dict[str, int]:
@@ -188,6 +216,7 @@ class Device:
         return await self._compute_pipeline(wgsl, entry, label or entry)
 
     def bind_group(self, pipeline, buffers: list):
+        """A bind group of `buffers` in binding order: GPU buffers, or BufferSlices of them."""
         self.bind_groups_made += 1
         return self._bind_group(pipeline, buffers)
 

@@ -12,7 +12,8 @@ import js
 from pyodide.ffi import create_once_callable, create_proxy, to_js
 
 from model_glue.gpu.webgpu import (
-    MAP_READ, OPTIONAL_FEATURES, SUBGROUP_MATRIX, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
+    MAP_READ, OPTIONAL_FEATURES, SUBGROUP_MATRIX, Device, RecordedPasses, WebGPUUnavailable, binding_resource,
+    negotiate_limits,
 )
 
 
@@ -148,7 +149,7 @@ class BrowserDevice(Device):
             raise RuntimeError(f"pipeline {label} rejected by the browser: {err}") from err
 
     def _bind_group(self, pipeline, buffers):
-        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        entries = [{"binding": i, "resource": binding_resource(b)} for i, b in enumerate(buffers)]
         return self._device.createBindGroup(_js({"layout": pipeline.getBindGroupLayout(0), "entries": entries}))
 
     def _create_encoder(self):

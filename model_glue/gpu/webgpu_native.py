@@ -12,7 +12,8 @@ import wgpu
 
 from contract.kernels import MAX_INVOCATIONS
 from model_glue.gpu.webgpu import (
-    MAP_READ, OPTIONAL_FEATURES, TIMESTAMPS_INSIDE_PASSES, Device, RecordedPasses, WebGPUUnavailable, negotiate_limits,
+    MAP_READ, OPTIONAL_FEATURES, TIMESTAMPS_INSIDE_PASSES, Device, RecordedPasses, WebGPUUnavailable, binding_resource,
+    negotiate_limits,
 )
 
 # wgpu-py spells WebGPU's "subgroups" feature "subgroup".
@@ -131,7 +132,7 @@ class WgpuDevice(Device):
             raise RuntimeError(f"WGSL of {label} rejected by wgpu/naga: {err}") from err
 
     def _bind_group(self, pipeline, buffers):
-        entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+        entries = [{"binding": i, "resource": binding_resource(b)} for i, b in enumerate(buffers)]
         return self._device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
 
     def _create_encoder(self):
