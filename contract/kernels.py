@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
 
-from contract.model import DTYPE_TAGS, WEIGHT_FORMATS, AttentionShape, LlamaConfig, layer_matrices, matrix_format
+from contract.family import Family
+from contract.model import (DTYPE_TAGS, WEIGHT_FORMATS, AttentionShape, LlamaConfig, embed_scale, layer_matrices,
+                            matrix_format)
 
 # -- paged KV cache and decode attention -------------------------------------------------------------
 PAGE_SIZE = 16  # tokens per KV page: pages[num_pages, 2 (K, V), H_kv, PAGE_SIZE, head_dim]
@@ -167,6 +169,9 @@ class RopeAppend:
         return rope_values(self.n_heads, self.n_kv_heads, self.head_dim, self.theta, self.scaling)
 
 
+GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}  # a gated FFN's fold in a kernel's name, by its activation
+
+
 @dataclass(frozen=True)
 class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
@@ -188,6 +193,7 @@ class MatmulSpec:
     residual: bool = False
     norm_eps: float | None = None
     swiglu: bool = False
+    activation: str = "silu"  # the gate's with `swiglu`: "silu" (SwiGLU) or "gelu_tanh" (GeGLU; contract.family)
     out_dtype: str | None = None  # y's dtype (default: dtype); the head writes f32 logits
     tiled: bool = False
     rope_append: RopeAppend | None = None  # instead of y: q, and K/V into the pages (decode only)
@@ -260,7 +266,7 @@ class MatmulSpec:
     def name(self) -> str:
         """The artifact name: every compile-time choice, nothing that is a runtime value."""
         folds = "".join(f"_{fold}" for fold, on in (
-            ("norm", self.norm_eps is not None), ("swiglu", self.swiglu), ("resid", self.residual),
+            ("norm", self.norm_eps is not None), (GLU_NAMES[self.activation], self.swiglu), ("resid", self.residual),
             (f"rope_{rope_tag(self.rope_append.head_dim, self.rope_append.scaling)}" if self.rope_append else "",
              self.rope_append is not None),
             (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
@@ -295,6 +301,8 @@ class MatmulSpec:
     def values(self) -> dict:
         """The kernel's runtime values for this matmul."""
         values = {} if self.compiled_rows is not None else {"out_features": self.out_features}
+        if self.argmax_partials:  # the head: the whole vocabulary as one slice (contract.slices)
+            values.update(vocab=self.out_features, row_base=0)
         if self.norm_eps is not None:
             values["eps"] = self.norm_eps
         return {**values, **(self.rope_append.values if self.rope_append else {})}
@@ -369,9 +377,11 @@ class Matmul(StrEnum):
     NORM_QKV = "norm_qkv"  # qkv = norm(x) @ Wqkv^T
     QKV = "qkv"
     O_RESIDUAL = "o_residual"  # x_mid = x + attn @ Wo^T
+    O = "o"  # attn @ Wo^T, for a post-norm before the residual add (contract.family.Family.post_norms)
     NORM_GATE_UP_SWIGLU = "norm_gate_up_swiglu"  # h = silu(norm(x_mid) @ Wg^T) * (norm(x_mid) @ Wu^T)
     GATE_UP = "gate_up"
     DOWN_RESIDUAL = "down_residual"  # x = x_mid + h @ Wdown^T
+    DOWN = "down"  # h @ Wdown^T, likewise
     # decode builds only: GPUs' qkv with RoPE and the K/V append as its epilogue; the o-projection that
     # merges a split attention call's partial states
     NORM_QKV_ROPE_APPEND = "norm_qkv_rope_append"
@@ -383,6 +393,7 @@ class Role(StrEnum):
 
     EMBED = "embed"
     RMS_NORM = "rms_norm"
+    NORM_RESIDUAL = "norm_residual"  # x + norm(y): a post-norm and its residual add (Family.post_norms)
     ROPE_APPEND = "rope_append"
     SWIGLU = "swiglu"
     NORM_LM_HEAD = "norm_lm_head"  # the head with the final norm folded in
@@ -400,6 +411,23 @@ class Role(StrEnum):
 # The weight matrix each layer matmul reads (its .q4, .scale and .min tensors)
 LAYER_MATMULS = {Matmul.NORM_QKV: "qkv", Matmul.QKV: "qkv", Matmul.O_RESIDUAL: "o", Matmul.NORM_GATE_UP_SWIGLU: "gate_up",
                  Matmul.GATE_UP: "gate_up", Matmul.DOWN_RESIDUAL: "down"}
+
+
+def layer_matmuls(arch: Family) -> dict[Matmul, str]:
+    """A family's layer matmuls (each -> the weight matrix it reads): LAYER_MATMULS, with o and down
+    without the residual where a post-norm sits between them and the add."""
+    if arch.residual_in_matmul:
+        return LAYER_MATMULS
+    plain = {Matmul.O_RESIDUAL: Matmul.O, Matmul.DOWN_RESIDUAL: Matmul.DOWN}
+    return {plain.get(m, m): weight for m, weight in LAYER_MATMULS.items()}
+
+
+def folded_matmuls(arch: Family, fold_norms: bool) -> list[Matmul]:
+    """The four matmuls of a layer's pass: with the norms and the gate's activation folded in (GPUs) or apart."""
+    o, down = (Matmul.O_RESIDUAL, Matmul.DOWN_RESIDUAL) if arch.residual_in_matmul else (Matmul.O, Matmul.DOWN)
+    if fold_norms:
+        return [Matmul.NORM_QKV, o, Matmul.NORM_GATE_UP_SWIGLU, down]
+    return [Matmul.QKV, o, Matmul.GATE_UP, down]
 
 
 # The decode step's q4 matmuls that have an int8_x form (MatmulSpec.int8_x: x read as int8 codes), and
@@ -433,12 +461,14 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     MATRIX_SUFFIX, `matrix_roles`)."""
     roles = _llama_kernels(c, dtype)
     if prefill_matrix:
-        roles.update(matrix_roles(roles))
+        roles.update(matrix_roles(roles, c.arch))
     if subgroup_lanes is not None:
         roles = {role: replace(spec, subgroup_lanes=subgroup_lanes) if isinstance(spec, MatmulSpec) and not spec.tiled
                  else spec for role, spec in roles.items()}
     if not int8_x:
         return roles
+    if not has_int8_x_form(c.arch):
+        raise ValueError(f"the {c.family} family's decode matmuls have no int8_x form")
     int8_roles = {matmul_role(m, int8_x=True): replace(roles[matmul_role(m)], int8_x=True) for m in INT8_X_MATMULS}
     gate_up = matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True)
     if int8_roles[gate_up].columns_per_group == 16:  # a workgroup's columns are one chunk: it quantizes y for down
@@ -447,6 +477,12 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     if all(int8_roles[role].prologue_fits for role in normed):  # x's codes made in their prologues: no quantizer
         int8_roles.update({role: replace(int8_roles[role], quantizes_x=True) for role in normed})
     return {**roles, **int8_roles, **quantizer_roles(c, dtype)}
+
+
+def has_int8_x_form(arch: Family) -> bool:
+    """Whether a family's decode step has the int8_x matmuls: they are llama's layer (the fused
+    RoPE epilogue, the residual in o and down)."""
+    return arch.fused_rope_append and arch.residual_in_matmul
 
 
 def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
@@ -468,7 +504,7 @@ def quantizer_roles(c: LlamaConfig, dtype: str) -> dict[str, KernelRole]:
 
 def matmul_subgroup_lanes(specs: dict) -> int | None:
     """The subgroup build (MatmulSpec.subgroup_lanes) of a llama_kernels dict's decode matmuls."""
-    return specs[matmul_role(Matmul.DOWN_RESIDUAL)].subgroup_lanes
+    return specs[matmul_role(Matmul.NORM_GATE_UP_SWIGLU)].subgroup_lanes
 
 
 def normed_x_in_prologue(specs: dict) -> bool:
@@ -486,7 +522,7 @@ def down_codes_from_gate_up(specs: dict) -> bool:
 
 def prefill_matrix(specs: dict) -> bool:
     """Whether a llama_kernels dict has the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)."""
-    return matmul_role(Matmul.DOWN_RESIDUAL, prefill=True, matrix=True) in specs
+    return matmul_role(Matmul.NORM_GATE_UP_SWIGLU, prefill=True, matrix=True) in specs
 
 
 def matmul_int8_x(specs: dict) -> bool:
@@ -499,16 +535,18 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     tag = DTYPE_TAGS[dtype]
     head = head_spec(c, dtype)
     embed = matrix_format(c, "embed")
-    rope = rope_values(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling)
+    arch = c.arch
+    glu = GLU_NAMES[arch.ffn_activation]
     roles = {
         Role.EMBED: KernelRole("embedding_q8", (c.dim, dtype, embed), ("ids", "w", "scale") + ("wmin",) * (embed == "q8a")
-                               + ("out",), f"embed_{embed}_d{c.dim}_{tag}", {"vocab": c.vocab_size}),
+                               + ("out",), f"embed_{embed}_d{c.dim}_{tag}", {"vocab": c.vocab_size,
+                                                                             "embed_scale": embed_scale(c),
+                                                                             "row_base": 0}),
         Role.RMS_NORM: KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
                                {"eps": c.rms_eps}),
-        Role.ROPE_APPEND: KernelRole("rope_and_append", (c.head_dim, dtype, c.rope_scaling is not None),
-                                  ("qkv", "positions", "slots", "pages", "q"),
-                                  f"rope_append_{rope_tag(c.head_dim, c.rope_scaling)}_{tag}", rope),
-        Role.SWIGLU: KernelRole("swiglu", (dtype,), ("gate_up", "h"), f"swiglu_{tag}", {"ffn_dim": c.ffn_dim}),
+        Role.ROPE_APPEND: rope_append_role(c, dtype),
+        Role.SWIGLU: KernelRole("swiglu", (dtype, arch.ffn_activation), ("gate_up", "h"), f"{glu}_{tag}",
+                                {"ffn_dim": c.ffn_dim}),
         # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
         # (value, index) for the argmax
         Role.NORM_LM_HEAD: head,
@@ -518,36 +556,58 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
         Role.SAMPLE: KernelRole("sample_top_k_top_p", (MAX_TOP_K,), ("logits", "out"), f"sample_top_k{MAX_TOP_K}",
                              {"vocab": c.vocab_size}),
     }
+    if arch.post_norms:
+        roles[Role.NORM_RESIDUAL] = KernelRole("rms_norm", (c.dim, dtype, True), ("x", "weight", "resid", "out"),
+                                               f"rms_norm_resid_d{c.dim}_{tag}", {"eps": c.rms_eps})
     # GPUs' decode step: the qkv matmul with the norm folded in and RoPE + the K/V append as its epilogue
-    roles[matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] = MatmulSpec(
-        *weights["qkv"], dtype, matrix_format(c, "qkv"), norm_eps=c.rms_eps,
-        rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
+    if arch.fused_rope_append:
+        roles[matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] = MatmulSpec(
+            *weights["qkv"], dtype, matrix_format(c, "qkv"), norm_eps=c.rms_eps,
+            rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
-    if o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
+    if arch.residual_in_matmul and o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
         roles[matmul_role(Matmul.O_RESIDUAL_MERGE)] = o_merge_spec(c, dtype)
+    matmuls = layer_matmuls(arch)
     for prefill in (False, True):
-        for matmul, weight in LAYER_MATMULS.items():
+        for matmul, weight in matmuls.items():
             roles[matmul_role(matmul, prefill=prefill)] = MatmulSpec(
                 *weights[weight], dtype, matrix_format(c, weight), residual=matmul.endswith("_residual"),
                 norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
-                tiled=prefill)
+                activation=arch.ffn_activation, tiled=prefill)
         if prefill:
-            for matmul in LAYER_MATMULS:
+            for matmul in matmuls:
                 roles[matmul_role(matmul, prefill=True, short=True)] = replace(
                     roles[matmul_role(matmul, prefill=True)], token_tile=SHORT_PREFILL_TOKENS)
     return roles
 
 
 # The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup
-# matrices are GPUs, which fold the norms).
+# matrices are GPUs, which fold the norms); a family's are `folded_matmuls(arch, True)`.
 MATRIX_MATMULS = (Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL)
 
 
-def matrix_roles(roles: dict) -> dict[str, MatmulSpec]:
+def matrix_roles(roles: dict, arch: Family) -> dict[str, MatmulSpec]:
     """The subgroup-matrix builds of a llama_kernels dict's prefill matmuls, long and short tiles."""
     return {matmul_role(matmul, prefill=True, short=short, matrix=True):
             replace(roles[matmul_role(matmul, prefill=True, short=short)], matrix=True)
-            for matmul in MATRIX_MATMULS for short in (False, True)}
+            for matmul in folded_matmuls(arch, True) for short in (False, True)}
+
+
+def rope_append_role(c: LlamaConfig, dtype: str) -> KernelRole:
+    """RoPE and the K/V append of a qkv row: llama's adjacent pairs (kernels.layer_ops.rope_and_append),
+    or a head at a time with the family's bias, QK-norm and pairing (rope_heads_and_append). The RoPE
+    base in the values is the global layers'; a sliding-window layer's comes with its dispatch."""
+    arch, tag, scaled = c.arch, DTYPE_TAGS[dtype], c.rope_scaling is not None
+    rope = rope_values(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling)
+    io = ("positions", "slots", "pages", "q")
+    if arch.fused_rope_append:
+        return KernelRole("rope_and_append", (c.head_dim, dtype, scaled), ("qkv",) + io,
+                          f"rope_append_{rope_tag(c.head_dim, c.rope_scaling)}_{tag}", rope)
+    variant = f"{'_halves' * (arch.rope_pairs == 'halves')}{'_qknorm' * arch.qk_norm}{'_bias' * arch.qkv_bias}"
+    return KernelRole("rope_heads_and_append", (c.head_dim, dtype, scaled, arch.rope_pairs, arch.qk_norm, arch.qkv_bias),
+                      ("qkv",) + ("qkv_bias",) * arch.qkv_bias + ("q_norm", "k_norm") * arch.qk_norm + io,
+                      f"rope_append_{rope_tag(c.head_dim, c.rope_scaling)}{variant}_{tag}",
+                      {**rope, **({"eps": c.rms_eps} if arch.qk_norm else {})})
 
 
 @lru_cache(maxsize=64)  # asked a few times every decode step (LlamaModel.o_merges): the answer never changes

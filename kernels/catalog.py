@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, Layout
 from contract.kernels import (MATRIX_FRAGMENT, SERVED_MATMUL_SUBGROUP_LANES, TILED_WORKGROUP_STORAGE_BYTES,
-                              WORKGROUP_STORAGE_BYTES, AttentionSpec, llama_kernels)
+                              WORKGROUP_STORAGE_BYTES, AttentionSpec, has_int8_x_form, llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             AttentionShape, LlamaConfig, all_wide)
 from kernels import decode_matmul, layer_ops, sampling
@@ -45,7 +45,8 @@ BUILDERS = {
     "quantized_matmul_tiled": quantized_matmul_tiled, "prefill_matmul_matrix": matrix_matmul,
     "embedding_q8": layer_ops.embedding_q8, "rms_norm": layer_ops.rms_norm,
     "quantized_matmul": decode_matmul.quantized_matmul,
-    "rope_and_append": layer_ops.rope_and_append, "swiglu": layer_ops.swiglu,
+    "rope_and_append": layer_ops.rope_and_append, "rope_heads_and_append": layer_ops.rope_heads_and_append,
+    "swiglu": layer_ops.swiglu,
     "argmax_partials": sampling.argmax_partials,
     "sample_top_k_top_p": sampling.sample_top_k_top_p,
     "random_words": random_words, "random_uniform": random_uniform, "random_q4_blocks": random_q4_blocks,
@@ -184,7 +185,8 @@ def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> lis
     x (MatmulSpec.int8_x: only beside subgroups, the GPUs' path). In f16 the folded prefill matmuls
     also have their subgroup-matrix builds (MatmulSpec.matrix, WGSL: kernels.prefill_matmul_matrix)."""
     recipes = {}
-    for lanes, int8_x in [(None, False)] + [(lanes, int8_x) for lanes in subgroup_lanes for int8_x in (False, True)]:
+    int8_forms = (False, True) if has_int8_x_form(c.arch) else (False,)
+    for lanes, int8_x in [(None, False)] + [(lanes, int8_x) for lanes in subgroup_lanes for int8_x in int8_forms]:
         for role, spec in llama_kernels(c, dtype, lanes, int8_x, prefill_matrix=dtype == "float16").items():
             matrix = getattr(spec, "matrix", False)
             recipes[spec.name] = KernelRecipe(spec.name, spec.builder, spec.args,
@@ -202,6 +204,10 @@ def all_recipes() -> list[KernelRecipe]:
         for dtype in DTYPES:
             recipes += attention_recipes(shape, dtype)
             recipes += prefill_attention_recipes(shape, dtype)
+    for config in MODEL_CONFIGS.values():  # the decode nests over a window, for models with sliding-window layers
+        if config.sliding_window is not None:
+            for dtype in DTYPES:
+                recipes += attention_recipes(config.attention_shape, dtype, sliding_window=True)
     for name, config in MODEL_CONFIGS.items():  # each also with Q8A matrices (a GGUF wider than 4 bits)
         for dtype in DTYPES:
             for weights in (config, all_wide(config)):

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import MATMUL_ROWS, MatmulSpec
 from contract.model import Q8A_BLOCK, q8a_code_position
-from kernels.llama_common import BLOCK, sign_extend_byte
+from kernels.llama_common import BLOCK, gated, sign_extend_byte
 from kernels.quantize_x import BYTE, CODE_MAX, VEC, WORDS_PER_CHUNK as XQ_WORDS, code_position
 
 ROWS, LANES = MATMUL_ROWS, 32  # a workgroup: ROWS threads (threadIdx.y) of LANES lanes (threadIdx.x)
@@ -45,6 +45,7 @@ class Geometry:
     columns_per_group: int  # y's columns a workgroup
     compiled_rows: int | None  # W's rows where compiled in (the SwiGLU's up rows' offset), else None
     swiglu: bool  # W holds the gate rows, then the up rows
+    activation: str  # the gate's (kernels.llama_common.gated)
     normed: bool  # the RMSNorm before the matmul is folded in
     subgroup_lanes: int  # the lanes whose partials meet by subgroup shuffles (1: none)
 
@@ -52,7 +53,7 @@ class Geometry:
     def of(cls, spec: MatmulSpec) -> Geometry:
         assert not spec.tiled and spec.in_features % BLOCK == 0
         g = cls(spec.in_features, spec.dtype, spec.out_dtype or spec.dtype, spec.weights, spec.rows_per_thread,
-                spec.columns_per_group, spec.compiled_rows, spec.swiglu, spec.norm_eps is not None,
+                spec.columns_per_group, spec.compiled_rows, spec.swiglu, spec.activation, spec.norm_eps is not None,
                 spec.subgroup_lanes or 1)
         assert g.words % g.words_per_load == 0 and g.block % g.chunk_values == 0  # a chunk within one block
         assert g.subgroup_lanes == 1 << g.shuffle_steps and LANES % g.subgroup_lanes == 0
@@ -348,4 +349,4 @@ def column_value(g, total, partial, p, r, lane, eps, rope_pair):
         total[0] = total[0] * inv_rms
         total[2] = total[2] * inv_rms
     if g.swiglu:
-        total[0] = total[0] / (T.float32(1) + T.exp(-total[0])) * total[2]
+        total[0] = gated(total[0], total[2], g.activation)

@@ -8,13 +8,16 @@ from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE
 from contract.model import Q8A_BLOCK, q8a_weight_at
-from kernels.llama_common import BLOCK, THREADS, sign_extend_byte
+from kernels.llama_common import BLOCK, THREADS, gated, sign_extend_byte
 
 
 def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
     """out[i, :] = dequantized row ids[i] of the embedding, Q8 (code * scale) or Q8A (code * scale + min,
-    a block's bytes in contract.model.q8a_code_position's order). One workgroup per token; the
-    vocabulary is a runtime size."""
+    a block's bytes in contract.model.q8a_code_position's order), times `embed_scale` (Gemma's
+    sqrt(dim), else 1: contract.model.embed_scale). One workgroup per token; the vocabulary is a runtime size.
+    The tensors are bound from row `row_base` on, `vocab` rows of them (one slice of the vocabulary,
+    contract.slices; the whole of it, row_base 0, where it fits one binding): only the tokens whose
+    ids fall in the slice are written."""
     WORDS = dim // 4
     WORD_TRIPS = (WORDS + THREADS - 1) // THREADS
     q8a = weights == "q8a"
@@ -32,10 +35,11 @@ def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
         return scaled + wmin[row, w * 4 // W_BLOCK] if q8a else scaled
 
     @T.prim_func(s_tir=True)
-    def embedding(ids_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle, out_h: T.handle):
+    def embedding(ids_h: T.handle, w_h: T.handle, scale_h: T.handle, min_h: T.handle, out_h: T.handle,
+                  embed_scale: T.float32, row_base: T.int32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
-        vocab = T.int32()
+        vocab = T.int32()  # the slice's rows
         ids = T.match_buffer(ids_h, (n,), "int32")
         w = T.match_buffer(w_h, (vocab, WORDS), "uint32")  # the codes
         scale = T.match_buffer(scale_h, (vocab, dim // W_BLOCK), "float32")
@@ -46,30 +50,35 @@ def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
                 with T.sblock("embedding"):
                     T.reads()
                     T.writes()
-                    row: T.let[T.int32] = ids[i]
+                    row: T.let[T.int32] = ids[i] - row_base  # the id's row in the slice
                     for trip in T.serial(WORD_TRIPS):
                         wi: T.let[T.int32] = trip * THREADS + t
-                        if wi < WORDS:
+                        if wi < WORDS and row >= 0 and row < vocab:
                             word: T.let[T.uint32] = w[row, wi]
                             s: T.let[T.float32] = scale[row, wi * 4 // W_BLOCK]
                             for k in T.unroll(4):
-                                out[i, position(wi, k)] = T.Cast(dtype, value(word, k, s, wmin, row, wi))
+                                out[i, position(wi, k)] = T.Cast(dtype, value(word, k, s, wmin, row, wi) * embed_scale)
 
     return embedding
 
 
-def rms_norm(dim: int, dtype: str):
-    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row (CPU rasterizers only: GPUs
-    fold the norm into the matmul that consumes it)."""
+def rms_norm(dim: int, dtype: str, residual: bool = False):
+    """out = x / sqrt(mean(x^2) + eps) * weight, one workgroup per row (CPU rasterizers: GPUs fold the
+    norm into the matmul that consumes it); with `residual`, out = resid + that: the post-norm of an
+    attention or FFN output before its residual add (contract.family.Family.post_norms), on every adapter."""
     TRIPS = (dim + THREADS - 1) // THREADS
     LEVELS = THREADS.bit_length() - 1
 
+    def added(resid, i, j, value):
+        return T.Cast("float32", resid[i, j]) + value if residual else value
+
     @T.prim_func(s_tir=True)
-    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, out_h: T.handle, eps: T.float32):
+    def rms_norm_kernel(x_h: T.handle, weight_h: T.handle, resid_h: T.handle, out_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
         x = T.match_buffer(x_h, (n, dim), dtype)
         weight = T.match_buffer(weight_h, (dim,), "float32")
+        resid = T.match_buffer(resid_h, (n, dim), dtype)  # read only with `residual`: TVM drops it otherwise
         out = T.match_buffer(out_h, (n, dim), dtype)
         for i in T.thread_binding(n, thread="blockIdx.x"):
             for t in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -91,8 +100,9 @@ def rms_norm(dim: int, dtype: str):
                     inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + eps)
                     for trip in T.unroll(TRIPS):
                         if trip * THREADS + t < dim:
-                            out[i, trip * THREADS + t] = T.Cast(
-                                dtype, T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t])
+                            out[i, trip * THREADS + t] = T.Cast(dtype, added(
+                                resid, i, trip * THREADS + t,
+                                T.Cast("float32", x[i, trip * THREADS + t]) * inv_rms * weight[trip * THREADS + t]))
 
     return rms_norm_kernel
 
@@ -172,9 +182,102 @@ def rope_and_append(head_dim: int, dtype: str, scaled: bool, page_size: int = PA
     return rope_append
 
 
-def swiglu(dtype: str):
-    """h[n, j] = silu(gate_up[n, j]) * gate_up[n, ffn + j] (CPU rasterizers only: GPUs fold it into
-    the gate/up matmul's epilogue); the FFN width is a runtime size."""
+def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, qk_norm: bool, bias: bool,
+                          page_size: int = PAGE_SIZE):
+    """RoPE on q and k of a fused qkv row a head at a time, then K and V into their page slot, for the
+    families whose rotation is not llama's adjacent pairs alone (contract.family): the q|k|v `bias`
+    added first (qkv_bias); each q and k head RMS-normed with the q_norm / k_norm weights (`qk_norm`,
+    value eps); pairs (x[2i], x[2i+1]) ("adjacent") or (x[i], x[i + D/2]) ("halves"), both rotated by
+    theta^(-2i/D) (rope_inv_freq; theta is the layer's: its `rope_exponent`).
+
+    One workgroup per token, its threads over one head's dims (head_dim <= THREADS), the heads in turn.
+    """
+    D = head_dim
+    assert D <= THREADS and D % 2 == 0
+    LEVELS = THREADS.bit_length() - 1
+    HALF = D // 2
+
+    def dim_of(p, second: int):
+        """Dim `second` (0 or 1) of the two rotated together as pair p."""
+        return 2 * p + second if pairs == "adjacent" else p + HALF * second
+
+    def loaded(qkv, qkv_bias, i, column):
+        """Column `column` of token i's qkv row in f32, its bias added."""
+        value = T.Cast("float32", qkv[i, column])
+        return value + qkv_bias[column] if bias else value
+
+    def norm_weight(q_norm, k_norm, head, q_heads, d):
+        return T.if_then_else(head < q_heads, q_norm[d], k_norm[d]) if qk_norm else T.float32(1)
+
+    @T.prim_func(s_tir=True)
+    def rope_heads(qkv_h: T.handle, bias_h: T.handle, q_norm_h: T.handle, k_norm_h: T.handle, positions_h: T.handle,
+                   slots_h: T.handle, pages_h: T.handle, q_h: T.handle, rope_exponent: T.float32,
+                   rope_inv_factor: T.float32, rope_ratio: T.float32, rope_low: T.float32, rope_span: T.float32,
+                   eps: T.float32):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int32()
+        num_pages = T.int32()
+        q_heads = T.int32()
+        kv_heads = T.int32()
+        pages = T.match_buffer(pages_h, (num_pages, 2, kv_heads, page_size, D), dtype)
+        q = T.match_buffer(q_h, (n, q_heads, D), dtype)
+        qkv = T.match_buffer(qkv_h, (n, (q_heads + 2 * kv_heads) * D), dtype)
+        qkv_bias = T.match_buffer(bias_h, ((q_heads + 2 * kv_heads) * D,), "float32")  # with `bias` only
+        q_norm = T.match_buffer(q_norm_h, (D,), "float32")  # with `qk_norm` only
+        k_norm = T.match_buffer(k_norm_h, (D,), "float32")
+        positions = T.match_buffer(positions_h, (n,), "int32")
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        for i in T.thread_binding(n, thread="blockIdx.x"):
+            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                with T.sblock("rope_heads"):
+                    T.reads()
+                    T.writes()
+                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+                    inv_rms = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    page: T.let[T.int32] = slots[i] // page_size
+                    slot: T.let[T.int32] = slots[i] % page_size
+                    for head in T.serial(q_heads + kv_heads):  # q heads, then k heads
+                        inv_rms[0] = T.float32(1)
+                        if qk_norm:
+                            partial[t] = T.float32(0)
+                            if t < D:
+                                v: T.let[T.float32] = loaded(qkv, qkv_bias, i, head * D + t)
+                                partial[t] = v * v
+                            for level in T.unroll(LEVELS):
+                                half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+                                if t < half:
+                                    partial[t] = partial[t] + partial[t + half]
+                            inv_rms[0] = T.rsqrt(partial[0] / T.float32(D) + eps)
+                        if t < HALF:
+                            lo: T.let[T.int32] = dim_of(t, 0)
+                            hi: T.let[T.int32] = dim_of(t, 1)
+                            x0: T.let[T.float32] = (loaded(qkv, qkv_bias, i, head * D + lo) * inv_rms[0]
+                                                    * norm_weight(q_norm, k_norm, head, q_heads, lo))
+                            x1: T.let[T.float32] = (loaded(qkv, qkv_bias, i, head * D + hi) * inv_rms[0]
+                                                    * norm_weight(q_norm, k_norm, head, q_heads, hi))
+                            inv_freq: T.let[T.float32] = rope_inv_freq(
+                                t, rope_exponent, (rope_inv_factor, rope_ratio, rope_low, rope_span) if scaled else None)
+                            angle: T.let[T.float32] = T.Cast("float32", positions[i]) * inv_freq
+                            c: T.let[T.float32] = T.cos(angle)
+                            sn: T.let[T.float32] = T.sin(angle)
+                            if head < q_heads:
+                                q[i, head, lo] = T.Cast(dtype, x0 * c - x1 * sn)
+                                q[i, head, hi] = T.Cast(dtype, x0 * sn + x1 * c)
+                            else:
+                                pages[page, 0, head - q_heads, slot, lo] = T.Cast(dtype, x0 * c - x1 * sn)
+                                pages[page, 0, head - q_heads, slot, hi] = T.Cast(dtype, x0 * sn + x1 * c)
+                    for trip in T.serial(T.ceildiv(kv_heads * D, THREADS)):
+                        e: T.let[T.int32] = trip * THREADS + t
+                        if e < kv_heads * D:
+                            pages[page, 1, e // D, slot, e % D] = T.Cast(
+                                dtype, loaded(qkv, qkv_bias, i, (q_heads + kv_heads) * D + e))
+
+    return rope_heads
+
+
+def swiglu(dtype: str, activation: str = "silu"):
+    """h[n, j] = act(gate_up[n, j]) * gate_up[n, ffn + j], act SiLU or GELU-tanh (kernels.llama_common.gated;
+    CPU rasterizers only: GPUs fold it into the gate/up matmul's epilogue); the FFN width is a runtime size."""
 
     @T.prim_func(s_tir=True)
     def swiglu_kernel(gate_up_h: T.handle, h_h: T.handle):
@@ -192,7 +295,7 @@ def swiglu(dtype: str):
                         j: T.let[T.int32] = jb * THREADS + t
                         if j < ffn_dim:
                             g: T.let[T.float32] = T.Cast("float32", gate_up[i, j])
-                            h[i, j] = T.Cast(dtype, g / (T.float32(1) + T.exp(-g)) * T.Cast("float32", gate_up[i, ffn_dim + j]))
+                            h[i, j] = T.Cast(dtype, gated(g, T.Cast("float32", gate_up[i, ffn_dim + j]), activation))
 
     return swiglu_kernel
 

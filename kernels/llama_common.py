@@ -14,10 +14,40 @@ counts, and the scalars `eps` and RoPE's (contract.kernels.rope_values).
 
 from __future__ import annotations
 
+import math
+
 from tvm.script import tirx as T
 
 THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
+
+
+# GELU's tanh form as a sigmoid: 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3),
+# which needs no tanh (WGSL's overflows to NaN for large arguments on some drivers).
+GELU_TANH_2U = 2 * math.sqrt(2 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+def gated(gate, up, activation: str, lanes: int | None = None):
+    """act(gate) * up in f32 (scalars, or f32x`lanes` vectors): SiLU (SwiGLU) or GELU-tanh (GeGLU),
+    both as gate / (1 + exp(-k)) with k = gate (SiLU) or 2u (GELU-tanh)."""
+    def const(v):
+        return T.Broadcast(T.float32(v), lanes) if lanes else T.float32(v)
+    if activation == "silu":
+        k = gate
+    elif activation == "gelu_tanh":
+        k = gate * const(GELU_TANH_2U) * (const(1) + const(GELU_TANH_CUBIC) * gate * gate)
+    else:
+        raise ValueError(f"no gated activation {activation!r}")
+    return gate / (const(1) + T.exp(-k)) * up
+
+
+def gated_wgsl(gate: str, up: str, activation: str) -> str:
+    """`gated` as a WGSL f32 expression of the variables `gate` and `up`."""
+    if activation == "silu":
+        return f"{gate} / (1.0f + exp(-{gate})) * {up}"
+    k = f"{gate} * {GELU_TANH_2U!r}f * (1.0f + {GELU_TANH_CUBIC!r}f * {gate} * {gate})"
+    return f"{gate} / (1.0f + exp(-({k}))) * {up}"
 
 
 def sign_extend_byte(word, k):

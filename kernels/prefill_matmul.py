@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import PREFILL_TILE_ROWS, MatmulSpec
 from contract.model import Q8A_BLOCK, q8a_code_position
-from kernels.llama_common import BLOCK, sign_extend_byte
+from kernels.llama_common import BLOCK, gated, sign_extend_byte
 from kernels.paged_kv import VEC
 
 ROWS = 64  # weight rows per tile
@@ -167,7 +167,7 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                                 result[1] = acc[i * 2 + 1] * T.Broadcast(inv_rms, VEC)
                                 if swiglu:  # gate columns in result[0], their up rows in result[1]
                                     y[token, tile * (COLUMNS_PER_TILE // VEC) + rq] = T.Cast(
-                                        VEC_DTYPE, result[0] / (T.Broadcast(T.float32(1), VEC) + T.exp(-result[0])) * result[1])
+                                        VEC_DTYPE, gated(result[0], result[1], spec.activation, VEC))
                                 else:
                                     for h in T.unroll(2):
                                         quad: T.let[T.int32] = tile * ROW_QUADS + h * HALF_QUADS + rq

@@ -24,6 +24,7 @@ the kernel needs less than 32 KiB of workgroup storage.
 from __future__ import annotations
 
 from contract.kernels import MatmulSpec
+from kernels.llama_common import gated_wgsl
 from kernels.wgsl import FRAG, SUBGROUP, WgslKernel, left, matrix_header, result_store, result_zero, right
 
 THREADS = 128  # 4 subgroups
@@ -204,7 +205,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                       f"      let s = row_scale[{first}u + local];",
                       f"      let gate = results[local * {C_STRIDE}u + tid % {columns}u] * s;",
                       f"      let up = results[local * {C_STRIDE}u + {columns}u + tid % {columns}u] * s;",
-                      "      y[u32(token * half_rows + column)] = f16(gate / (1.0f + exp(-gate)) * up);",
+                      f"      y[u32(token * half_rows + column)] = f16({gated_wgsl('gate', 'up', spec.activation)});",
                       "    }", "  }"]
         else:  # thread: column tid of every token
             lines += [f"  for (var r = 0u; r < {EPILOGUE_TOKENS}u; r = r + 1u) {{",
