@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND, WEIGHTS_FILE
-from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, matrix_format,
+from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, Q8A_BLOCK, LlamaConfig, matrix_format, norm_width,
                             q8a_weight_at)
 
 ALIGN = 256
@@ -256,8 +256,8 @@ def load_artifact_weights(art_dir, layers: Iterable[int] | None = None) -> tuple
     dense = {"embed": matrix("embed"), "final_norm": raw["final_norm"].astype(np.float32)}
     for i in wanted:
         p = f"layers.{i}"
-        dense[f"{p}.attn_norm"] = raw[f"{p}.attn_norm"].astype(np.float32)
-        dense[f"{p}.ffn_norm"] = raw[f"{p}.ffn_norm"].astype(np.float32)
+        for vector in formats.arch.layer_norms + ("qkv_bias",) * formats.arch.qkv_bias:
+            dense[f"{p}.{vector}"] = raw[f"{p}.{vector}"].astype(np.float32)
         for mat in ("qkv", "o", "gate_up", "down"):
             dense[f"{p}.{mat}"] = matrix(f"{p}.{mat}")
     return config, dense
@@ -303,8 +303,10 @@ def _iter_random_artifact(config: LlamaConfig, seed: int) -> Iterator[tuple[str,
     shapes = _matrix_shapes(config)
     for i in range(config.n_layers):
         p = f"layers.{i}"
-        yield f"{p}.attn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-        yield f"{p}.ffn_norm", (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        for norm in config.arch.layer_norms:  # the family's norms (contract.family), in model_tensors' order
+            yield f"{p}.{norm}", (1.0 + 0.1 * rng.standard_normal(norm_width(config, norm))).astype(np.float32)
+        if config.arch.qkv_bias:
+            yield f"{p}.qkv_bias", (0.5 * rng.standard_normal(config.qkv_dim)).astype(np.float32)
         for mat, parts in shapes.items():
             rows, cols = sum(r for r, _ in parts), parts[0][1]
             yield from q4_tensors(f"{p}.{mat}", *_random_q4(rng, rows, cols))

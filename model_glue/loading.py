@@ -18,6 +18,7 @@ from contract.kernels import (SHORT_PREFILL_TOKENS, Matmul, llama_kernels, matmu
                               matmul_subgroup_lanes, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, LlamaConfig, model_tensors,
                             synthetic_config_name)
+from contract.slices import VOCAB_SLICE_ROWS, is_vocab_tensor, vocab_slice_bytes
 from model_glue.model.attention import AttentionKernels, resolve_attention_kernels
 from model_glue.errors import ModelError
 from model_glue.gpu.kernel import unmet_limits
@@ -153,12 +154,17 @@ class _Loader:
                                            prefill_matrix=prefill_matrix(self.specs))
         self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]
-        _check_limits(device, library, list(self.names.values()) + [self.attention.tiled, self.attention.prefill], {
-            "the largest weight tensor": max(tensor_bytes.values()),
+        # The vocabulary's tensors (the embedding, an untied head) are bound a slice of rows at a time
+        # where they exceed a binding (contract.slices: LlamaModel.vocab_slices); every other buffer whole.
+        layer_bytes = [nbytes for name, nbytes in tensor_bytes.items() if not is_vocab_tensor(name)]
+        vocab_bytes = [nbytes for name, nbytes in tensor_bytes.items() if is_vocab_tensor(name)]
+        _check_limits(device, library, list(self.names.values()) + [self.attention.tiled] + [self.attention.prefill] * bool(self.attention.prefill), {
+            "the largest weight tensor": max(layer_bytes, default=0),
+            f"a slice of {VOCAB_SLICE_ROWS} vocabulary rows": vocab_slice_bytes(config),
             "one layer's KV cache": PagedKVCache.layer_bytes(config, esize, self.options.max_context),
             "the largest activation buffer": max(scratch_sizes(config, esize, self.options.prefill_chunk,
                                                                self.options.max_context).values()),
-        })
+        }, {"the largest vocabulary tensor": max(vocab_bytes, default=0)})
 
     async def finish(self, weights: dict, progress) -> LlamaModel:
         progress("compiling kernels")
@@ -268,29 +274,36 @@ def runnable_kernels(library, config: LlamaConfig, dtype: str, device,
 
 def _attention_kernels(library, config: LlamaConfig, dtype: str, device) -> AttentionKernels:
     """The artifact's attention kernels for the model's shape that run on this device
-    (model_glue.model.attention.resolve_attention_kernels); the prefill kernel and at least one layout
-    this device's rule may pick must be among them."""
+    (model_glue.model.attention.resolve_attention_kernels), with their builds over a window for a model
+    with sliding-window layers; at least one layout this device's rule may pick must be among them. A
+    shape without a causal prefill kernel (head_dim over 128) runs its prompts through the decode
+    kernels (LlamaModel.prefill_attention)."""
     try:
         attention = resolve_attention_kernels(library, config.attention_shape, dtype, device)
+        if config.sliding_window is not None:
+            window = resolve_attention_kernels(library, config.attention_shape, dtype, device, sliding_window=True)
+            attention = dataclasses.replace(attention, window=window)
     except LookupError as err:
         raise ModelError(f"{err}; rebuild the kernel artifact with `python -m app build`") from err
-    ranks = [layout_rank(name, device.is_cpu) for name in attention.layouts]
-    if attention.prefill is None or all(rank is None for rank in ranks):
-        missing = ["prefill attention"] * (attention.prefill is None) + \
-            [f"a sharded layout this device runs ({attention.unavailable})"] * all(rank is None for rank in ranks)
-        raise ModelError(f"the kernel artifact lacks the attention kernels of this model ({'; '.join(missing)}); "
-                         "rebuild it with `python -m app build`")
+    for kernels in (attention, attention.window):
+        if kernels is not None and all(layout_rank(name, device.is_cpu) is None for name in kernels.layouts):
+            raise ModelError(f"the kernel artifact lacks a sharded layout this device runs for this model "
+                             f"({kernels.unavailable}); rebuild it with `python -m app build`")
     return attention
 
 
-def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int]) -> None:
-    """Refuse an adapter below what the model's kernels and buffers need, naming each limit."""
+def _check_limits(device, library, kernel_names, buffer_bytes: dict[str, int],
+                  unbound_bytes: dict[str, int] | None = None) -> None:
+    """Refuse an adapter below what the model's kernels and buffers need, naming each limit: each of
+    `buffer_bytes` is bound whole (BUFFER_LIMITS), each of `unbound_bytes` only a slice at a time
+    (maxBufferSize alone)."""
     unmet = []
     for name in kernel_names:
         unmet += unmet_limits(library.specs[name], device.limits)
     for limit in BUFFER_LIMITS:
         have = device.limits.get(limit)
+        needs = {**buffer_bytes, **(unbound_bytes or {})} if limit == "maxBufferSize" else buffer_bytes
         unmet += [f"{limit} is {have} on this adapter, but {what} needs {nbytes} bytes"
-                  for what, nbytes in buffer_bytes.items() if have is not None and nbytes > have]
+                  for what, nbytes in needs.items() if have is not None and nbytes > have]
     if unmet:
         raise AdapterLimitError("this GPU adapter's limits are too low for the model: " + "; ".join(unmet))

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 from contract.attention import LAYOUTS, LAYOUTS_BY_NAME, MAX_SPLITS, NEST_CHOICES, AttentionChoice, LayoutChoice
 from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_CONFIG, MATRIX_FRAGMENT, MATRIX_SUBGROUP,
-                              SHORT_PREFILL_TOKENS, llama_kernels, matrix_roles, o_merges_splits)
+                              SHORT_PREFILL_TOKENS, has_int8_x_form, llama_kernels, matrix_roles,
+                              o_merges_splits)
 from contract.model import AttentionShape, LlamaConfig
 from model_glue.errors import ModelError
 from model_glue.gpu.webgpu import SUBGROUP_MATRIX
@@ -81,10 +82,12 @@ def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | No
     build `lanes` (the GPUs' path), the device's WGSL has dot4I8Packed and the norms are folded (the
     only roles built so); never with `wanted` False; with `wanted` True wherever all that holds, and
     not holding is a ModelError."""
-    if wanted is False or (wanted is None and config.dim < INT8_X_MIN_DIM):
+    if wanted is False or (wanted is None and (config.dim < INT8_X_MIN_DIM or not has_int8_x_form(config.arch))):
         return False
     why_not = None
-    if lanes is None:
+    if not has_int8_x_form(config.arch):
+        why_not = f"the {config.family} family's layer has no int8_x build"
+    elif lanes is None:
         why_not = "it runs only beside the decode matmuls' subgroup builds, which this adapter does not run"
     elif device is not None and not device.has_packed_int8_dot:
         why_not = "this browser's WGSL has no dot4I8Packed (packed_4x8_integer_dot_product)"
@@ -116,7 +119,7 @@ def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold
         return f"the matrix kernels are f16 and this model runs in {dtype}"
     if not fold_norms:
         return "the matrix kernels fold the norms into the matmuls (fold_norms)"
-    missing = [spec.name for spec in matrix_roles(llama_kernels(config, dtype)).values() if spec.name not in library.specs]
+    missing = [spec.name for spec in matrix_roles(llama_kernels(config, dtype), config.arch).values() if spec.name not in library.specs]
     if missing:
         return f"the kernel artifact has no subgroup-matrix build of this model's prefill matmuls ({missing[0]}, ...)"
     return None

@@ -13,7 +13,7 @@ SMOLLM_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by 
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    family: str  # "chatml", "llama3", "llama2", "zephyr" or "raw"
+    family: str  # "chatml", "llama3", "llama2", "zephyr", "gemma", "raw" or "text"
     default_system: str | None = None  # inserted when the first message is not a system one
     bos_text: str = ""  # the template's own leading BOS text (Llama 3 writes <|begin_of_text|>)
     note: str | None = None  # why the family is "raw", for the page
@@ -58,17 +58,39 @@ def _zephyr(t, messages, gen):
     return text + ("<|assistant|>\n" if gen else "")
 
 
+def _gemma(t, messages, gen):
+    """<start_of_turn> turns, the assistant's role named "model"; a system message is folded into the
+    first user turn (Gemma has no system role). BOS is the tokenizer's (add_bos_token)."""
+    system = None
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    out = []
+    for k, m in enumerate(messages):
+        content = m["content"].strip()
+        if k == 0 and system:
+            content = f"{system}\n\n{content}"
+        out.append(f"<start_of_turn>{'model' if m['role'] == 'assistant' else m['role']}\n{content}<end_of_turn>\n")
+    return "".join(out) + ("<start_of_turn>model\n" if gen else "")
+
+
 def _raw(t, messages, gen):
     return "\n".join(m["content"] for m in messages) + ("\n" if gen else "")
 
 
-_RENDERERS = {"chatml": _chatml, "llama3": _llama3, "llama2": _llama2, "zephyr": _zephyr, "raw": _raw}
+def _text(t, messages, gen):
+    """A base model's conversation as one text, which the reply continues (no separators added)."""
+    return "".join(m["content"] for m in messages)
+
+
+_RENDERERS = {"chatml": _chatml, "llama3": _llama3, "llama2": _llama2, "zephyr": _zephyr, "gemma": _gemma,
+              "raw": _raw, "text": _text}
 
 
 def chat_template(template: str | None) -> ChatTemplate:
     """The family of a GGUF's Jinja template (None: the file has none)."""
     if not template:
-        return ChatTemplate("raw", note="the GGUF has no chat template: messages are sent as plain text")
+        return ChatTemplate("text", note="the GGUF has no chat template (a base model): the conversation is sent as "
+                                         "plain text, which the reply continues")
     if "<|im_start|>" in template:
         default = SMOLLM_SYSTEM_PROMPT if SMOLLM_SYSTEM_PROMPT in template else None
         return ChatTemplate("chatml", default_system=default)
@@ -79,8 +101,10 @@ def chat_template(template: str | None) -> ChatTemplate:
         return ChatTemplate("llama2")
     if "<|user|>" in template and "<|assistant|>" in template:
         return ChatTemplate("zephyr")
+    if "<start_of_turn>" in template:
+        return ChatTemplate("gemma")
     return ChatTemplate("raw", note="the GGUF's chat template is not one this page renders (ChatML, Llama 3, "
-                                    "Llama 2, Zephyr): messages are sent as plain text")
+                                    "Llama 2, Zephyr, Gemma): messages are sent as plain text")
 
 
 # SmolLM2-Instruct's template: what the served model (converted from its GGUF) renders.

@@ -46,7 +46,8 @@ def tokenizer_from_gguf(metadata: dict):
         merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
         vocab = {t: i for i, t in enumerate(tokens) if t not in special}
         tokenizer = BPETokenizer(vocab, merges, special, individual_digits=digits, eos_id=eos, bos_id=bos,
-                                 im_end_id=special.get("<|im_end|>"), split_pattern=pattern)
+                                 im_end_id=special.get("<|im_end|>"), split_pattern=pattern,
+                                 text_special_ids={i for i in special.values() if types[i] == USER_DEFINED})
     elif kind == "llama":
         tokenizer = SentencePieceTokenizer(tokens, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
                                            bos_id=bos, eos_id=eos,
@@ -56,11 +57,14 @@ def tokenizer_from_gguf(metadata: dict):
                          "'llama' (SentencePiece)")
     tokenizer.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     # ends a turn: the EOS token, and the template's end-of-turn markers where the vocabulary has them
-    tokenizer.turn_end_ids = frozenset(i for i in (eos, *(special.get(t) for t in TURN_END_TOKENS)) if i is not None)
+    # ("</s>" only as a control token: Gemma's vocabulary has a user-defined "</s>", HTML's strikethrough end)
+    markers = [i for t, i in special.items() if t in TURN_END_TOKENS and (t != "</s>" or types[i] == CONTROL)]
+    tokenizer.turn_end_ids = frozenset(i for i in (eos, *markers) if i is not None)
     return tokenizer
 
 
-TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<|endoftext|>")
+# ChatML, Llama 3, Phi, Llama 2 / Zephyr, GPT-2 style and Gemma turns
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<|endoftext|>", "<end_of_turn>")
 
 
 class SentencePieceTokenizer(SpecialsFirst):
@@ -76,6 +80,9 @@ class SentencePieceTokenizer(SpecialsFirst):
                 self.byte_ids[int(t[3:5], 16)] = i
         self.special_tokens = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in SPECIAL_TYPES}
         self.special_ids = {i: t for t, i in self.special_tokens.items()}
+        # user-defined pieces are text (Gemma's "\n", runs of spaces, HTML tags): only control tokens are
+        # left out by decode(skip_special_tokens=True)
+        self.text_special_ids = frozenset(i for i in self.special_ids if types[i] == USER_DEFINED)
         self.types = types
         self.bos_id, self.eos_id, self.add_space_prefix = bos_id, eos_id, add_space_prefix
         self.unk_id = next((i for i, ty in enumerate(types) if ty == UNKNOWN), None)
@@ -144,7 +151,7 @@ class SentencePieceTokenizer(SpecialsFirst):
         out = bytearray()
         for i in ids:
             if i in self.special_ids:
-                if not skip_special_tokens:
+                if not skip_special_tokens or i in self.text_special_ids:
                     out += self.special_ids[i].encode()
                 continue
             if not 0 <= i < len(self.tokens):

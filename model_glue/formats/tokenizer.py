@@ -124,7 +124,7 @@ class BPETokenizer(SpecialsFirst):
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special_tokens: dict[str, int],
                  *, individual_digits: bool = True, add_prefix_space: bool = False,
                  eos_id: int | None = None, im_end_id: int | None = None, bos_id: int | None = None,
-                 split_pattern: str = "gpt2"):
+                 split_pattern: str = "gpt2", text_special_ids=()):
         # A model whose vocabulary is larger than this tokenizer's (a synthetic Llama-3 shape behind
         # SmolLM2's tokenizer: 128,256 ids against 49,152) may emit ids it has no text for; with
         # `show_unknown_ids` they decode as "<id 123456>" instead of raising.
@@ -136,6 +136,9 @@ class BPETokenizer(SpecialsFirst):
         self.ranks = {pair: rank for rank, pair in enumerate(merges)}
         self.special_tokens = dict(special_tokens)
         self.special_ids = {i: tok for tok, i in self.special_tokens.items()}
+        # Special tokens that are text all the same (a GGUF's user-defined ones): cut out of the text when
+        # encoding like the others, but kept by `decode(skip_special_tokens=True)`, as llama.cpp and HF do.
+        self.text_special_ids = frozenset(text_special_ids)
         for tok, i in self.special_tokens.items():
             if i >= len(self.id_to_token_list):
                 self.id_to_token_list.extend([None] * (i + 1 - len(self.id_to_token_list)))
@@ -411,7 +414,7 @@ class BPETokenizer(SpecialsFirst):
         for i in ids:
             special = specials.get(i)
             if special is not None:
-                if not skip_special_tokens:
+                if not skip_special_tokens or i in self.text_special_ids:
                     out += special.encode("utf-8")
                 continue
             tok = table[i] if 0 <= i < len(table) else None

@@ -91,6 +91,7 @@ class AttentionKernels:
     prefill_matrix: str | None  # its build on subgroup matrices (None: the artifact has none)
     layouts: dict[str, LayoutKernels]  # layout name -> the build this device runs, for each it can
     unavailable: dict[str, str]  # layout name -> why it does not run here
+    window: "AttentionKernels | None" = None  # the shape's builds over a sliding window (its layers that have one)
 
     def kernel_names(self, choice: AttentionChoice) -> list[str]:
         """The kernels of one call, in dispatch order: one kernel, or a layout's split kernel and the merge."""
@@ -115,11 +116,13 @@ class AttentionKernels:
         return f"the {layout!r} layout does not run here: {self.unavailable.get(layout, 'no such layout')}"
 
 
-def runnable_builds(library, shape: AttentionShape, dtype: str, device, *, sweep: bool = False) -> list[LayoutKernels]:
-    """Every build of every layout the artifact holds for the shape (without a window) that this
-    device can run; `sweep` adds the benchmark sweep's builds (`python -m app build --set sweep`)."""
+def runnable_builds(library, shape: AttentionShape, dtype: str, device, *, sweep: bool = False,
+                    sliding_window: bool = False) -> list[LayoutKernels]:
+    """Every build of every layout the artifact holds for the shape (over a window: `sliding_window`)
+    that this device can run; `sweep` adds the benchmark sweep's builds (`python -m app build --set sweep`)."""
     found = []
-    for name in library.names(kind="decode_attention", nest="sharded", split=False, dtype=dtype, sliding_window=False,
+    for name in library.names(kind="decode_attention", nest="sharded", split=False, dtype=dtype,
+                              sliding_window=sliding_window,
                               head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads):
         meta = library.specs[name].meta
         layout = LAYOUTS_BY_NAME.get(meta["layout"])
@@ -129,23 +132,26 @@ def runnable_builds(library, shape: AttentionShape, dtype: str, device, *, sweep
                                                           device.subgroup_min_size, device.subgroup_max_size) is None:
             continue  # this device's subgroups do not fit the build
         split = next((n for n in library.names(kind="decode_attention", split=True, build=meta["build"], dtype=dtype,
-                                               sliding_window=False, head_dim=shape.head_dim,
+                                               sliding_window=sliding_window, head_dim=shape.head_dim,
                                                num_kv_heads=shape.num_kv_heads, num_qo_heads=shape.num_qo_heads)), None)
         if split is not None:
             found.append(LayoutKernels(layout, meta["build"], name, split))
     return found
 
 
-def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device) -> AttentionKernels:
-    """Which attention kernels of the artifact run `shape` in `dtype` on `device`: the one place
-    loading, the model, the kernel lab and the benchmarks learn it. A layout with several builds
-    that fit (the subgroup layout) runs the one `pick_subgroup_build` prefers."""
-    names = {kernel: AttentionSpec(kernel, shape, dtype).name for kernel in ("tiled", "merge", "prefill")}
+def resolve_attention_kernels(library, shape: AttentionShape, dtype: str, device,
+                              sliding_window: bool = False) -> AttentionKernels:
+    """Which attention kernels of the artifact run `shape` in `dtype` on `device` (their builds over a
+    window: `sliding_window`, length_info [3, B]): the one place loading, the model, the kernel lab and
+    the benchmarks learn it. A layout with several builds that fit (the subgroup layout) runs the one
+    `pick_subgroup_build` prefers."""
+    names = {kernel: AttentionSpec(kernel, shape, dtype, sliding_window and kernel == "tiled").name
+             for kernel in ("tiled", "merge", "prefill")}
     names["prefill_matrix"] = AttentionSpec("prefill", shape, dtype, tag=MATRIX_PREFILL).name
     missing = [names[k] for k in ("tiled", "merge") if names[k] not in library.specs]
     if missing:
         raise LookupError(f"the kernel artifact has no {' or '.join(missing)}")
-    builds = runnable_builds(library, shape, dtype, device)
+    builds = runnable_builds(library, shape, dtype, device, sliding_window=sliding_window)
     layouts, unavailable = {}, {}
     for layout in LAYOUTS:
         mine = [b for b in builds if b.layout is layout]

@@ -10,9 +10,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from contract.attention import AttentionChoice
-from contract.kernels import (INT8_X_MATMULS, MATRIX_MATMULS, NORMED_INT8_X_MATMULS, SPLIT_WORKSPACE, Matmul, Role,
-                              matmul_role)
-from contract.model import codes_tensor, head_tensor
+from contract.family import FAMILIES, Family
+from contract.kernels import (INT8_X_MATMULS, NORMED_INT8_X_MATMULS, SPLIT_WORKSPACE, Matmul, Role, folded_matmuls,
+                              matmul_role, rope_values)
+from contract.model import codes_tensor, head_tensor, layer_rope_theta, layer_window
+from contract.slices import RowSlice
+from model_glue.gpu.webgpu import BufferSlice
 from model_glue.model.attention import attention_call, attention_dispatches
 from model_glue.gpu.kernel import DispatchPlan
 from model_glue.model.pass_plan import PassPlan
@@ -20,17 +23,19 @@ from model_glue.model.step_stats import PassStamps
 
 
 def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False,
-                  prefill_matrix: bool = False, normed_x_in_prologue: bool = False) -> list[str]:
+                  prefill_matrix: bool = False, normed_x_in_prologue: bool = False,
+                  arch: Family = FAMILIES["llama"]) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
     and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler,
     (`o_merges`: the shape has it) the o-projection that merges a split attention call,
     (`int8_x`, with folded norms) the decode matmuls' quantizers (the normed matmuls' not where
     `normed_x_in_prologue`: they quantize x themselves), the prefill matmuls' short tiles
-    and (`prefill_matrix`, with folded norms) their subgroup-matrix builds. Only these are compiled."""
-    matmuls = [Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL] if fold_norms \
-        else [Matmul.QKV, Matmul.O_RESIDUAL, Matmul.GATE_UP, Matmul.DOWN_RESIDUAL]
+    and (`prefill_matrix`, with folded norms) their subgroup-matrix builds; the family's (`arch`)
+    post-norms. Only these are compiled."""
+    matmuls = folded_matmuls(arch, fold_norms)
     apart = [] if fold_norms else [Role.RMS_NORM, Role.SWIGLU]
-    fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms else []  # a decode step's qkv + RoPE + K/V append
+    apart += [Role.NORM_RESIDUAL] if arch.post_norms else []
+    fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms and arch.fused_rope_append else []  # a decode step's qkv + RoPE + K/V append
     fused += [matmul_role(Matmul.O_RESIDUAL_MERGE)] if o_merges else []
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
         fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
@@ -39,7 +44,7 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
         fused += sorted(quantizers) + [Role.QUANTIZE_MERGE]
     prefill = [matmul_role(m, prefill=True, short=short) for short in (False, True) for m in matmuls]
     if prefill_matrix and fold_norms:
-        prefill += [matmul_role(m, prefill=True, short=short, matrix=True) for m in MATRIX_MATMULS
+        prefill += [matmul_role(m, prefill=True, short=short, matrix=True) for m in folded_matmuls(arch, True)
                     for short in (False, True)]
     return [Role.EMBED, Role.ROPE_APPEND, *(matmul_role(m) for m in matmuls), *prefill, *fused, *apart,
             Role.NORM_LM_HEAD if fold_norms else Role.LM_HEAD, Role.ARGMAX if greedy else Role.SAMPLE]
@@ -146,13 +151,23 @@ class LeavingOutEncoder(SpansUntimed):
 
 
 # -- attention calls ------------------------------------------------------------------------------------
-def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionChoice) -> tuple[dict, dict]:
-    """Buffers and values of one layer's attention (the values are the same in every layer)."""
+def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionChoice,
+                      window: bool = False) -> tuple[dict, dict]:
+    """Buffers and values of one layer's attention (the values are the same in every layer), or
+    (`window`) of a sliding-window layer's: its page table covers the window (LlamaModel._write_inputs)."""
     c, buf = m.config, m.buffers
+    if window:
+        return attention_call(
+            q=buf["q"], pages=m.kv.layers[layer], page_table_indptr=buf["window_indptr"],
+            page_table_values=buf["window_page_ids"], length_info=buf["window_length_info"],
+            k_rope_pos_offset=buf["rope_offsets"], q_rope_position=buf["rope_offsets"], output=buf["attn"],
+            lse=buf["lse"], batch=n, nnz_pages=m.window_pages, max_num_pages=m.kv.num_pages,
+            sm_scale=c.head_dim ** -0.5, rope_theta=c.rope_theta,
+            workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
     if choice.nest == "prefill":  # the pass's n tokens after the kv.length - n cached before them
         return ({"q": buf["q"], "pages": m.kv.layers[layer], "page_ids": buf["page_ids"], "output": buf["attn"]},
                 {"n": n, "num_pages": m.kv.num_pages, "used_pages": nnz_pages, "start": m.kv.length - n,
-                 "sm_scale": c.head_dim ** -0.5})
+                 "sm_scale": c.head_dim ** -0.5, "window": 0})  # the whole causal prefix (layers with a window: decode kernels)
     # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
     # The page table grows with the context: attention's values change every step.
     return attention_call(
@@ -163,11 +178,24 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
         workspace={name: buf[name] for name in SPLIT_WORKSPACE}, num_splits=choice.num_splits)
 
 
-def pass_attention_kernels(m, plan: PassPlan) -> list:
-    """The attention kernels a pass dispatches: without the merge where the o-projection or its
-    int8 quantizer merges the split call's partial states (PassPlan.merges_split)."""
-    kernels = m.attention_kernels(plan.attention)
+def pass_attention_kernels(m, plan: PassPlan, window: bool = False) -> list:
+    """The attention kernels a pass dispatches (`window`: in its sliding-window layers): without the
+    merge where the o-projection or its int8 quantizer merges the split call's partial states
+    (PassPlan.merges_split)."""
+    kernels = m.attention_kernels(plan.window_attention, window=True) if window else m.attention_kernels(plan.attention)
     return kernels[:-1] if plan.merges_split else kernels
+
+
+def layer_attention_dispatches(m, plan: PassPlan, layer: int, nnz_pages: int) -> list[tuple]:
+    """(kernel, buffers, values) of one layer's attention call. A sliding-window layer's merge runs with
+    the other layers' values (the same B and S: the kernel is shared, and so is its uniform)."""
+    buffers, values = attention_buffers(m, layer, plan.n, nnz_pages, plan.attention)
+    if plan.window_attention is None or layer_window(m.config, layer) is None:
+        return attention_dispatches(pass_attention_kernels(m, plan), buffers, values)
+    window_buffers, window_values = attention_buffers(m, layer, plan.n, nnz_pages, plan.window_attention, window=True)
+    dispatches = attention_dispatches(pass_attention_kernels(m, plan, window=True), window_buffers, window_values)
+    return [(kernel, kernel_buffers, values if kernel.name == m.attention.merge else kernel_values)
+            for kernel, kernel_buffers, kernel_values in dispatches]
 
 
 def role_values(m, role: str, **pass_values) -> dict:
@@ -180,8 +208,9 @@ def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) ->
     """(kernel, values) of each kernel of a decode pass whose values change per step: attention
     (the context grows), the merging o-projection or quantizer (S may change) and the sampler (a new draw)."""
     choice = plan.attention
-    buffers, values = attention_buffers(m, 0, 1, nnz_pages, choice)
-    pairs = [(kernel, v) for kernel, _, v in attention_dispatches(pass_attention_kernels(m, plan), buffers, values)]
+    first = {layer_window(m.config, i) is None: i for i in reversed(range(m.config.n_layers))}
+    layers = sorted(first.values())  # the first layer of each kind (global, sliding-window): their calls
+    pairs = [(kernel, v) for layer in layers for kernel, _, v in layer_attention_dispatches(m, plan, layer, nnz_pages)]
     if plan.o_merges:
         merging = matmul_role(Matmul.O_RESIDUAL_MERGE)
         pairs.append((m.kernels[merging], role_values(m, merging, **o_merge_values(choice))))
@@ -226,6 +255,25 @@ def _matrix_buffers(m, name: str) -> dict:
     return bound
 
 
+def _vocab_matrix(m, name: str) -> list[tuple[dict, RowSlice]]:
+    """(tensors by buffer name, rows) of each of the model's vocabulary slices (LlamaModel.vocab_slices,
+    contract.slices) of the embedding or the head ("embed", "head"): the whole matrix where it fits one
+    binding (one slice), else each slice's BufferSlices. Made once a model, like `_matrix_buffers`."""
+    key = f"{name}/slices"
+    bound = m.matrix_bindings.get(key)
+    if bound is None:
+        whole = _matrix_buffers(m, name)
+        if len(m.vocab_slices) == 1:
+            bound = [(whole, m.vocab_slices[0])]
+        else:
+            suffix = {"w": codes_tensor(m.config, name)[len(name):], "scale": ".scale", "wmin": ".min"}
+            row_bytes = {binding: m.vocab_row_bytes[suffix[binding]] for binding in whole}
+            bound = [({binding: BufferSlice(buffer, *rows.bytes_of(row_bytes[binding]))
+                       for binding, buffer in whole.items()}, rows) for rows in m.vocab_slices]
+        m.matrix_bindings[key] = bound
+    return bound
+
+
 def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x, y, *, norm=None, resid=None,
             rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
     """y = x @ W^T with the role's folds; `weight` names the matrix (its .q4 or .q8a, .scale, .min tensors).
@@ -267,6 +315,20 @@ def _rms_norm(m, enc, n: int, x, norm: str):
     return normed
 
 
+def _norm_residual(m, enc, n: int, y, norm: str, resid, out) -> None:
+    """out = resid + norm(y): a family's post-norm of an attention or FFN output, and the residual add."""
+    enc.run(m.kernels[Role.NORM_RESIDUAL], {"x": y, "weight": m.weights[norm], "resid": resid, "out": out},
+            role_values(m, Role.NORM_RESIDUAL, n=n))
+
+
+def layer_rope(c, layer: int) -> dict:
+    """The RoPE values of layer `layer` whose base differs from the model's (a sliding-window layer's)."""
+    theta = layer_rope_theta(c, layer)
+    if theta == c.rope_theta:
+        return {}
+    return {"rope_exponent": rope_values(c.n_heads, c.n_kv_heads, c.head_dim, theta, c.rope_scaling)["rope_exponent"]}
+
+
 def _qkv(m, enc, plan: PassPlan, weight: str, x, y, norm: str) -> None:
     """qkv = norm(x) @ Wqkv^T: the RMSNorm folded into the matmul, or (CPU rasterizers) run before it."""
     if plan.fold_norms:
@@ -296,31 +358,37 @@ def encode_forward(m, enc: PassEncoder, plan: PassPlan, nnz_pages: int, sampling
 
 def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> None:
     c, w, buf, k = m.config, m.weights, m.buffers, m.kernels
-    n, choice = plan.n, plan.attention
-    attention = pass_attention_kernels(m, plan)
+    n, choice, arch = plan.n, plan.attention, c.arch
     stamps = PassStamps(c.n_layers)
     x, x_mid = buf["x_a"], buf["x_b"]
     with enc.timed(stamps.pass_begin, None):
-        # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id
-        enc.run(k[Role.EMBED], {"ids": buf["ids"] if n > 1 else buf["next_id"], **_matrix_buffers(m, "embed"), "out": x},
-                role_values(m, Role.EMBED, n=n))
+        # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id; each
+        # vocabulary slice writes the tokens whose ids it holds (one slice, unless past a binding)
+        for matrix, rows in _vocab_matrix(m, "embed"):
+            enc.run(k[Role.EMBED], {"ids": buf["ids"] if n > 1 else buf["next_id"], **matrix, "out": x},
+                    role_values(m, Role.EMBED, n=n, vocab=rows.rows, row_base=rows.first))
     for layer in range(c.n_layers):
         p = f"layers.{layer}"
-        # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))); a split attention call's merge
-        # runs in the o-projection or its quantizer where the plan says so
+        # attention block: x_mid = x + o(attention(rope(qkv(norm(x))))) (the family's post-norm of o's
+        # output before the add); a split attention call's merge runs in the o-projection or its
+        # quantizer where the plan says so
         rope_io = {"positions": buf["positions"], "slots": buf["slots"], "pages": m.kv.layers[layer], "q": buf["q"]}
-        if n == 1 and plan.fold_norms:  # one dispatch: the rotated q out, K/V into the token's page slot
+        if n == 1 and plan.fold_norms and arch.fused_rope_append:  # one dispatch: rotated q out, K/V into the page slot
             _matmul(m, enc, plan, Matmul.NORM_QKV_ROPE_APPEND, f"{p}.qkv", x, None, norm=f"{p}.attn_norm",
                     rope_io=rope_io, values={"num_pages": m.kv.num_pages})
-        else:
+        else:  # the family's bias and QK-norm, then RoPE at the layer's base (its own for a sliding window)
             _qkv(m, enc, plan, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
-            enc.run(k[Role.ROPE_APPEND], {"qkv": buf["qkv"], **rope_io},
-                    role_values(m, Role.ROPE_APPEND, n=n, num_pages=m.kv.num_pages))
-        attn_buffers, attn_values = attention_buffers(m, layer, n, nnz_pages, choice)
+            head_norms = {"q_norm": w[f"{p}.q_norm"], "k_norm": w[f"{p}.k_norm"]} if arch.qk_norm else {}
+            bias = {"qkv_bias": w[f"{p}.qkv_bias"]} if arch.qkv_bias else {}
+            enc.run(k[Role.ROPE_APPEND], {"qkv": buf["qkv"], **bias, **head_norms, **rope_io},
+                    role_values(m, Role.ROPE_APPEND, n=n, num_pages=m.kv.num_pages, **layer_rope(c, layer)))
         with enc.timed(*stamps.attention(layer)):
-            for kernel, kernel_buffers, values in attention_dispatches(attention, attn_buffers, attn_values):
+            for kernel, kernel_buffers, values in layer_attention_dispatches(m, plan, layer, nnz_pages):
                 enc.run(kernel, kernel_buffers, values, per_step=True)
-        if plan.o_merges:  # x of the o-projection is merged from the split call's partial states
+        if arch.post_norms:  # x_mid = x + norm(attn @ Wo^T)
+            _matmul(m, enc, plan, Matmul.O, f"{p}.o", buf["attn"], buf["normed"])
+            _norm_residual(m, enc, n, buf["normed"], f"{p}.post_attn_norm", x, x_mid)
+        elif plan.o_merges:  # x of the o-projection is merged from the split call's partial states
             _matmul(m, enc, plan, Matmul.O_RESIDUAL_MERGE, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
         elif plan.quantizer_merges:  # ... by the o-projection's quantizer
@@ -329,24 +397,33 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
             _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", _codes(m), x_mid, resid=x)
         else:
             _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", buf["attn"], x_mid, resid=x)
-        # feed-forward block: x = x_mid + down(swiglu(gate_up(norm(x_mid))))
+        # feed-forward block: x = x_mid + down(act(gate) * up of norm(x_mid)) (the family's post-norm of
+        # down's output before the add)
         down_codes = _codes(m, "ffn_") if plan.down_codes_from_gate_up else None
         _swiglu_ffn(m, enc, plan, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
-        _matmul(m, enc, plan, Matmul.DOWN_RESIDUAL, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
+        if arch.post_norms:
+            _matmul(m, enc, plan, Matmul.DOWN, f"{p}.down", buf["ffn"], buf["normed"])
+            _norm_residual(m, enc, n, buf["normed"], f"{p}.post_ffn_norm", x_mid, x)
+        else:
+            _matmul(m, enc, plan, Matmul.DOWN_RESIDUAL, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
     # head: only the last token's logits are needed (a decode pass's x is that token already)
     last = x
     if n > 1:
         enc.batch.copy(x, (n - 1) * c.dim * m.esize, buf["last"], 0, c.dim * m.esize)
         last = buf["last"]
-    head_matrix = _matrix_buffers(m, head_tensor(c))  # the tied embedding or the head's own matrix
-    head = {**head_matrix, "y": buf["logits"], "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
+    head = {"y": buf["logits"], "best": buf["head_best"]}  # the logits (the sampler, tests) and each workgroup's best for argmax
     with enc.timed(None, stamps.pass_end):
+        # the tied embedding or the head's own matrix, a vocabulary slice a dispatch (one, unless past a
+        # binding), each writing its columns of the logits and its workgroups' bests
         if plan.fold_norms:
-            enc.run(k[Role.NORM_LM_HEAD], {"x": last, "norm": w["final_norm"], **head},
-                    role_values(m, Role.NORM_LM_HEAD, n=1))
+            for matrix, rows in _vocab_matrix(m, head_tensor(c)):
+                enc.run(k[Role.NORM_LM_HEAD], {"x": last, "norm": w["final_norm"], **matrix, **head},
+                        role_values(m, Role.NORM_LM_HEAD, n=1, out_features=rows.rows, row_base=rows.first))
         else:
-            enc.run(k[Role.LM_HEAD], {"x": _rms_norm(m, enc, 1, last, "final_norm"), **head},
-                    role_values(m, Role.LM_HEAD, n=1))
+            normed = _rms_norm(m, enc, 1, last, "final_norm")
+            for matrix, rows in _vocab_matrix(m, head_tensor(c)):
+                enc.run(k[Role.LM_HEAD], {"x": normed, **matrix, **head},
+                        role_values(m, Role.LM_HEAD, n=1, out_features=rows.rows, row_base=rows.first))
         if plan.greedy:
             enc.run(k[Role.ARGMAX], {"best": buf["head_best"], "out": buf["next_id"]}, role_values(m, Role.ARGMAX))
         else:  # the draw changes every step

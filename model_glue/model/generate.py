@@ -139,7 +139,7 @@ async def _run_generation(model, new_ids, result, max_new_tokens, stop_ids, samp
         return token
 
     start_length = model.kv.length
-    chunk = model.run.prefill_chunk
+    chunk = model.prefill_chunk
     for chunk_start in range(0, len(new_ids), chunk):
         if should_stop():
             if pending is not None:

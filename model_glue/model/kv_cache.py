@@ -63,6 +63,21 @@ class PagedKVCache:
         self.length += new_tokens
         return slots
 
+    def window_page_table(self, context_lens: list[int], window: int) -> tuple[array, array, array]:
+        """indptr, page ids and length_info [3, B] (last page's fill, the window's first row in its first
+        page, no sink: TVM's sliding-window convention) for queries attending to the last `window`
+        tokens of these prefixes."""
+        indptr, values = array("i", [0]), array("i")
+        last, offsets = array("i"), array("i")
+        for n in context_lens:
+            num_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
+            first = max(0, n - window)
+            values.extend(self.pages[first // PAGE_SIZE:num_pages])
+            indptr.append(len(values))
+            last.append(n - (num_pages - 1) * PAGE_SIZE)
+            offsets.append(first % PAGE_SIZE)
+        return indptr, values, last + offsets + array("i", [0]) * len(context_lens)
+
     def page_table(self, context_lens: list[int]) -> tuple[array, array, array]:
         """indptr, page ids and last-page lengths for queries attending to these prefixes."""
         indptr, values, last = array("i", [0]), array("i"), array("i")

@@ -17,6 +17,7 @@ from array import array
 
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
+from contract.slices import vocab_row_bytes, vocab_slices
 from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, normed_x_in_prologue, matmul_role, matmul_subgroup_lanes,
                               prefill_matrix)
 from model_glue.model.attention import AttentionKernels
@@ -53,6 +54,11 @@ class LlamaModel:
         self.weights = weights
         self.requantized: tuple[str, ...] = ()  # matrices a GGUF held as floats, quantized at load (loading)
         self.matrix_bindings: dict[str, dict] = {}  # matrix -> its tensors by binding name (forward._matrix_buffers)
+        # The vocabulary's row slices (contract.slices): one, the whole vocabulary, unless the embedding's
+        # (or head's) tensors exceed one storage binding of this adapter; the embedding and the head run
+        # a dispatch per slice.
+        self.vocab_slices = vocab_slices(config, device.limits.get("maxStorageBufferBindingSize"))
+        self.vocab_row_bytes = vocab_row_bytes(config)  # bytes a row of each vocabulary tensor, by suffix
         # role -> artifact name and the sizes it runs with (contract.kernels.llama_kernels: a kernel is
         # compiled for row widths, not for this model, so its row counts, vocabulary, eps and RoPE
         # values are runtime values)
@@ -87,6 +93,7 @@ class LlamaModel:
         self._last_pass_tokens = 0  # tokens of the last submitted pass (1: a decode step)
         self._all_stamps_written = False  # a pass has written every timestamp query (`_times_attention`)
         self.stats: list[StepStats] = []
+        self.window_pages = 0  # the page ids the last pass's sliding-window table holds (`_write_inputs`)
 
     @property
     def runs_subgroups(self) -> bool:
@@ -105,8 +112,11 @@ class LlamaModel:
         choices += [AttentionChoice("sharded", layout, 2)] if split else []
         choices += [AttentionChoice("prefill")] if self.attention.prefill else []
         choices += [PREFILL_ON_MATRICES] if self.runs_prefill_attention_matrix() else []
+        window = [c for c in choices if c.nest != "prefill"]  # the sliding-window layers' builds of the decode nests
         try:
             names = {name for choice in choices for name in self.attention.kernel_names(choice)}
+            if self.attention.window is not None:
+                names |= {name for choice in window for name in self.attention.window.kernel_names(choice)}
         except ValueError as err:
             raise ModelError(str(err)) from err
         await self._compile_attention_kernels(names)
@@ -119,7 +129,7 @@ class LlamaModel:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
         roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names,
                               int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix,
-                              normed_x_in_prologue=self.normed_x_in_prologue)
+                              normed_x_in_prologue=self.normed_x_in_prologue, arch=self.config.arch)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
@@ -139,15 +149,21 @@ class LlamaModel:
                 self.attention.check(run.layout)
             except ValueError as err:
                 raise ModelError(str(err)) from err
+            if self.attention.window is not None:
+                try:
+                    self.attention.window.check(run.layout)
+                except ValueError as err:
+                    raise ModelError(f"over the sliding window: {err}") from err
             await self.compile_attention(run.layout.layout, split=True)
         if run.fold_norms != self.run.fold_norms:
             self._drop_plans()  # a plan's dispatches follow the folds
         self.run = run
 
-    def _choose(self, contexts: list[int], attention: str | None = None) -> AttentionChoice:
+    def _choose(self, contexts: list[int], attention: str | None = None, window: bool = False) -> AttentionChoice:
         try:
-            return choose_decode_attention(contexts, self.attention, is_cpu=self.device.is_cpu,
-                                           attention=attention or self.run.attention, forced=self.run.layout)
+            return choose_decode_attention(contexts, self.attention.window if window else self.attention,
+                                           is_cpu=self.device.is_cpu, attention=attention or self.run.attention,
+                                           forced=self.run.layout)
         except ValueError as err:
             raise ModelError(str(err)) from err
 
@@ -181,11 +197,38 @@ class LlamaModel:
         prefill kernel gives a KV head one workgroup for those few rows and walks the whole cached
         context serially. Else the causal prefill kernel: its subgroup-matrix build where it runs
         (`runs_prefill_attention_matrix`)."""
-        if n <= DECODE_BATCH_MAX_TOKENS and self.run.short_prefill_decode_attention:
+        if n <= DECODE_BATCH_MAX_TOKENS and (self.run.short_prefill_decode_attention or not self.attention.prefill):
             return self._choose(query_contexts(n, start))
+        if not self.attention.prefill:
+            raise ModelError(f"a pass of {n} tokens: this shape has no causal prefill kernel (head_dim "
+                             f"{self.config.head_dim}), so its passes take at most {DECODE_BATCH_MAX_TOKENS} "
+                             "(LlamaModel.prefill_chunk)")
         if self.runs_prefill_attention_matrix():
             return PREFILL_ON_MATRICES
         return AttentionChoice("prefill")
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a prefill pass takes: the run's, or for a shape without a causal prefill kernel
+        (head_dim over 128) at most what the decode kernels take as a batch of queries."""
+        return self.run.prefill_chunk if self.attention.prefill else min(self.run.prefill_chunk, DECODE_BATCH_MAX_TOKENS)
+
+    def window_attention(self, n: int, start: int, attention: AttentionChoice) -> AttentionChoice | None:
+        """The attention of the pass's sliding-window layers (None: the model has none): the decode nests
+        over each query's last `sliding_window` tokens, chosen by that length. Its split count is the
+        other layers' (S is a per-step value of the merge, which both calls share)."""
+        window = self.config.sliding_window
+        if window is None:
+            return None
+        if attention.nest == "prefill":
+            raise ModelError("the causal prefill kernel has no sliding window yet; prompts go through the "
+                             "decode kernels (short_prefill_decode_attention)")
+        choice = self._choose([min(c, window) for c in query_contexts(n, start)], window=True)
+        if choice.nest == "sharded" and attention.nest == "sharded":
+            choice = AttentionChoice(choice.nest, choice.layout, attention.num_splits)
+        elif choice.nest == "sharded":  # the others tiled: the window's no longer than the context
+            choice = AttentionChoice(choice.nest, choice.layout, 1)
+        return choice
 
     def plan_pass(self, n: int, start: int, greedy: bool = True) -> PassPlan:
         """Every choice of a pass of n tokens after `start` cached ones, by model_glue.policy's rules:
@@ -201,14 +244,15 @@ class LlamaModel:
                     and merges_in_o(self.config, self.dtype, attention, run.merge_in_o))
         matrix = n > 1 and self.runs_prefill_matrix()
         return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),
+                        window_attention=self.window_attention(n, start, attention),
                         o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x,
                         down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up,
                         normed_x_in_prologue=int8_x and self.normed_x_in_prologue, matrix_matmuls=matrix,
                         short_tile=n > 1 and short_token_tile(n, matrix))
 
-    def attention_kernels(self, choice: AttentionChoice) -> list:
-        """The compiled kernels of one attention call, in dispatch order."""
-        names = self.attention.kernel_names(choice)
+    def attention_kernels(self, choice: AttentionChoice, window: bool = False) -> list:
+        """The compiled kernels of one attention call (`window`: over the sliding window), in dispatch order."""
+        names = (self.attention.window if window else self.attention).kernel_names(choice)
         missing = [name for name in names if name not in self._attention_compiled]
         if missing:
             raise ModelError(f"decode attention {choice} is not compiled (see LlamaModel.compile_attention)")
@@ -303,6 +347,12 @@ class LlamaModel:
         self._write_changed("indptr", indptr.tobytes())  # the page table changes once per page of tokens
         self._write_changed("page_ids", page_ids.tobytes())
         self._write_changed("last_len", last_len.tobytes())
+        if self.config.sliding_window is not None:
+            indptr, page_ids, length_info = self.kv.window_page_table(contexts, self.config.sliding_window)
+            self._write_changed("window_indptr", indptr.tobytes())
+            self._write_changed("window_page_ids", page_ids.tobytes())
+            self._write_changed("window_length_info", length_info.tobytes())
+            self.window_pages = len(page_ids)
         return len(page_ids)
 
     def _write_changed(self, name: str, data: bytes) -> None:

@@ -36,6 +36,7 @@ class PassPlan:
     normed_x_in_prologue: bool = False  # ... and qkv's and gate/up's prologues make theirs (MatmulSpec.quantizes_x)
     matrix_matmuls: bool = False  # the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)
     short_tile: bool = False  # the prefill matmuls' short token tile
+    window_attention: AttentionChoice | None = None  # the sliding-window layers' (a model with them)
 
     @property
     def prefill(self) -> bool:
@@ -45,8 +46,9 @@ class PassPlan:
     def key(self) -> "PassPlan":
         """The plan with n and S reduced to what fixes the dispatches: one token or several, one split
         or several (their exact values are per-step values of the bound plan)."""
-        a = self.attention
-        return replace(self, n=min(self.n, 2), attention=AttentionChoice(a.nest, a.layout, min(a.num_splits, 2)))
+        a, w = self.attention, self.window_attention
+        return replace(self, n=min(self.n, 2), attention=AttentionChoice(a.nest, a.layout, min(a.num_splits, 2)),
+                       window_attention=w and AttentionChoice(w.nest, w.layout, min(w.num_splits, 2)))
 
     @property
     def merges_split(self) -> bool:

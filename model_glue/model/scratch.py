@@ -33,6 +33,9 @@ def scratch_sizes(c: LlamaConfig, e: int, n: int, capacity: int) -> dict[str, in
         # decode attention's page table: one prefix a query, for a decode step or a short prefill
         # pass's batch (LlamaModel.prefill_attention); prefill attention reads page_ids too
         "indptr": 4 * (queries + 1), "page_ids": 4 * queries * PagedKVCache.pages_for(capacity), "last_len": 4 * queries,
+        # ... and for a model's sliding-window layers, over the window (length_info [3, B])
+        **({"window_indptr": 4 * (queries + 1), "window_page_ids": 4 * queries * PagedKVCache.pages_for(capacity),
+            "window_length_info": 4 * 3 * queries} if c.sliding_window is not None else {}),
         # TVM's decode signature has RoPE offsets; RoPE is applied at append (rotary_mode 0), so the
         # kernels never read them: one zero-filled word serves both.
         "rope_offsets": 4,
