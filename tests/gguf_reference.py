@@ -1,5 +1,6 @@
 """The tests' independent reading of a GGUF: dense float32 weights through the `gguf` package's own
-dequantizers, never the runtime's repack or the artifact's packing."""
+dequantizers, never the runtime's repack or the artifact's packing. Any family of contract.family:
+the tensors a layer holds are the ones its description names."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Iterable
 import numpy as np
 from gguf.quants import dequantize
 
-from contract.gguf import llama_config_from_metadata
+from contract.family import GGUF_LAYER_NORMS
+from contract.gguf import config_from_metadata
 from convert.gguf_fields import gguf_field, open_gguf
 
 
@@ -22,25 +24,34 @@ def _layer_names(i: int) -> dict[str, list[str]]:
 
 
 def load_gguf_weights(gguf_path, layers: Iterable[int] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config dict, dense weights) with the names of convert.weights.load_artifact_weights."""
+    """(config dict (LlamaConfig.to_dict(): family and sliding_window included), dense weights) with the
+    names of convert.weights.load_artifact_weights: `embed`, `final_norm`, `head` (untied only) and per
+    layer the fused matrices, the family's norms (`Family.layer_norms`, from `blk.{i}.<GGUF_LAYER_NORMS
+    name>.weight`) and, with qkv_bias, `qkv_bias` (attn_q|attn_k|attn_v biases)."""
     reader = open_gguf(gguf_path)
+    arch = gguf_field(reader, "general.architecture")
     metadata = {key: gguf_field(reader, key) for key in reader.fields
-                if key == "general.architecture" or key.startswith("llama.")}
+                if key == "general.architecture" or key.startswith(f"{arch}.")}
     tensors = {t.name: t for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    config = llama_config_from_metadata(metadata, has_output_head="output.weight" in tensors,
-                                        embedding_rows=len(tokens.data) if tokens is not None else None).to_dict()
+    config = config_from_metadata(metadata, has_output_head="output.weight" in tensors,
+                                  embedding_rows=len(tokens.data) if tokens is not None else None)
+    family = config.arch
 
     def dense(name):
         t = tensors[name]
         return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
 
-    wanted = range(config["n_layers"]) if layers is None else list(layers)
+    wanted = range(config.n_layers) if layers is None else list(layers)
     out = {"embed": dense("token_embd.weight"), "final_norm": dense("output_norm.weight")}
+    if not config.tied_embeddings:
+        out["head"] = dense("output.weight")
     for i in wanted:
         p = f"layers.{i}"
-        out[f"{p}.attn_norm"] = dense(f"blk.{i}.attn_norm.weight")
-        out[f"{p}.ffn_norm"] = dense(f"blk.{i}.ffn_norm.weight")
+        for norm in family.layer_norms:
+            out[f"{p}.{norm}"] = dense(f"blk.{i}.{GGUF_LAYER_NORMS[norm]}.weight")
+        if family.qkv_bias:
+            out[f"{p}.qkv_bias"] = np.concatenate([dense(f"blk.{i}.attn_{x}.bias") for x in "qkv"])
         for mat, names in _layer_names(i).items():
             out[f"{p}.{mat}"] = np.concatenate([dense(n) for n in names], axis=0)
-    return config, out
+    return config.to_dict(), out

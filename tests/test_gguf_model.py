@@ -196,7 +196,7 @@ ZEPHYR_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>{
 
 @pytest.mark.parametrize("tokenizer,pre,template,family", [
     ("gpt2", "llama-bpe", LLAMA3_TEMPLATE, "llama3"), ("llama", None, ZEPHYR_TEMPLATE, "zephyr"),
-    ("gpt2", "smollm", None, "raw")])
+    ("gpt2", "smollm", None, "text")])
 def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_library, tmp_path, tokenizer, pre,
                                                                   template, family):
     """A chat over a GGUF (open_model): prompt ids are the file's template rendered by the file's tokenizer (BOS
@@ -212,7 +212,7 @@ def test_a_chat_session_speaks_the_files_tokenizer_and_template(loop, gpu, test_
                                                           options=RunOptions(max_context=512, warm_up=False),
                                                           progress=notes.append)))
     try:
-        assert chat.template.family == family and any("plain text" in n for n in notes) == (family == "raw")
+        assert chat.template.family == family and any("plain text" in n for n in notes) == (family == "text")
         messages = [{"role": "user", "content": "hello world"}]
         ids = chat.prompt_ids(messages)
         rendered = chat.template.render(messages)

@@ -9,7 +9,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from app.bench.gguf_files import byte_level_vocab, sentencepiece_vocab
 from model_glue.formats.chat_template import chat_template
 from model_glue.errors import ModelError
-from model_glue.formats.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf
+from model_glue.formats.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, tokenizer_from_gguf
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -80,6 +80,28 @@ def test_sentencepiece_matches_hf():
     assert ours.encode("hello</s>")[-1] == 2
 
 
+def test_user_defined_tokens_stay_text_when_specials_are_skipped():
+    """A user-defined piece (Gemma's "\n", space runs, HTML tags, its "</s>") is cut out of the text like a
+    control token, but decode(skip_special_tokens=True), the chat's stream, keeps it as llama.cpp does;
+    and a user-defined "</s>" does not end a turn."""
+    metadata, tokens, _ = gpt2_metadata("smollm")
+    metadata = {**metadata, "tokenizer.ggml.tokens": tokens + ["<b>"],
+                "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"] + [USER_DEFINED]}
+    tokens, scores, types = sentencepiece_vocab(300, np.random.default_rng(0))
+    spm = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens + ["<b>", "<i>", "<eot>"],
+           "tokenizer.ggml.scores": scores + [0.0] * 3, "tokenizer.ggml.token_type": types + [USER_DEFINED] * 2 + [CONTROL],
+           "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_space_prefix": False}
+    for ours in (tokenizer_from_gguf(metadata), tokenizer_from_gguf(spm)):
+        ids = ours.encode("hello<b>world")
+        assert ours.token_to_id("<b>") in ids
+        assert ours.decode(ids, skip_special_tokens=True) == ours.decode(ids) == "hello<b>world"
+    ours = tokenizer_from_gguf(spm)
+    assert ours.decode(ours.encode("<s>hi<eot>"), skip_special_tokens=True) == "hi"
+    # Gemma's: EOS <eos>, a user-defined "</s>" (HTML), <end_of_turn>
+    gemma_like = {**spm, "tokenizer.ggml.tokens": tokens[:2] + ["<eos>"] + tokens[3:] + ["<b>", "</s>", "<end_of_turn>"]}
+    assert tokenizer_from_gguf(gemma_like).turn_end_ids == {2, len(tokens) + 2}
+
+
 def test_unsupported_tokenizers_are_named():
     metadata, _, _ = gpt2_metadata("qwen2")
     with pytest.raises(ModelError, match="pre-tokenizer is 'qwen2'"):
@@ -98,10 +120,12 @@ def test_unsupported_tokenizers_are_named():
      "<s>[INST] Hi [/INST]"),
     ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>{% endfor %}<|user|><|assistant|>", "zephyr",
      "<|user|>\nHi</s>\n<|assistant|>\n"),
+    ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n"
+     "{% endfor %}<start_of_turn>model\n", "gemma", "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"),
     ("{{ messages }}", "raw", "Hi\n"),
-    (None, "raw", "Hi\n"),
+    (None, "text", "Hi"),
 ])
 def test_chat_templates(template, family, rendered):
     t = chat_template(template)
     assert t.family == family and t.render([{"role": "user", "content": "Hi"}]) == rendered
-    assert (t.note is not None) == (family == "raw")
+    assert (t.note is not None) == (family in ("raw", "text"))

@@ -1,0 +1,92 @@
+"""Each model family (contract.family) on WebGPU (wgpu/lavapipe) against the float64 reference, which
+learns the family from the same description: a tiny random-weight model of each, prompts past Gemma's
+sliding window and past the switch to the sharded nest, folded and apart, f32 and f16."""
+
+import numpy as np
+import pytest
+
+from contract.gguf import config_from_metadata
+from contract.model import TEST_MODEL_CONFIGS
+from convert.weights import load_artifact_weights, write_random_artifact
+from model_glue.gpu.artifact import folder_readers
+from model_glue.loading import load_model
+from model_glue.options import RunOptions
+from model_reference import ReferenceLlama
+
+# Relative L2 of the logits against the reference: f32 differs in summation order only (measured
+# <= 4.5e-6 over these models), f16 rounds every activation (<= 1.4e-3).
+LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+FAMILY_MODELS = ("tiny_gemma3", "tiny_qwen3", "tiny_qwen2")
+CHUNK = 64  # the prompt in passes of this size: a head_dim 256 shape's prefill runs the decode kernels
+
+
+@pytest.fixture(scope="module", params=FAMILY_MODELS)
+def family_model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    write_random_artifact(request.param, out, seed=3)
+    config, weights = load_artifact_weights(out)
+    return request.param, out, ReferenceLlama(config, weights)
+
+
+def run_and_compare(loop, gpu, library, folder, reference, vocab, dtype, prompt_tokens, steps=4, **options):
+    read_text, read_bytes = folder_readers(folder)
+    model = loop.run_until_complete(load_model(gpu, library, read_text, read_bytes, dtype=dtype,
+                                               options=RunOptions(**options)))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, vocab, prompt_tokens)]
+    for start in range(0, len(prompt), CHUNK):
+        token = loop.run_until_complete(model.forward(prompt[start:start + CHUNK]))
+    reference.reset()
+    want = reference.forward(prompt, 0)[-1]
+    nests = []
+    for step in range(steps):
+        got = np.frombuffer(loop.run_until_complete(model.read_logits()), np.float32).astype(np.float64)
+        error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert error < LOGIT_TOLERANCE[dtype], f"step {step} at {model.kv.length} tokens: {error:.2e}"
+        assert token == int(np.argmax(got))
+        position, token_in = model.kv.length, token
+        token = loop.run_until_complete(model.forward([token_in]))
+        nests.append(model.stats[-1].nest)
+        want = reference.forward([token_in], position)[-1]
+    return model, nests
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fold_norms", [True, False], ids=["norms-folded", "norms-apart"])
+def test_family_logits_match_reference_past_the_window(loop, gpu, test_library, family_model, dtype, fold_norms):
+    """40 tokens: past tiny Gemma's window of 32 in its sliding layers, the tiled nest; the family's
+    QK-norm, biases, RoPE pairing and base per layer, post-norms and activation all in the logits."""
+    name, folder, reference = family_model
+    if dtype == "float16" and not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    model, nests = run_and_compare(loop, gpu, test_library, folder, reference, TEST_MODEL_CONFIGS[name].vocab_size,
+                                   dtype, 40, fold_norms=fold_norms)
+    assert set(nests) == {"tiled"}
+    assert not any("_xi8" in kernel for kernel in model.kernel_names.values())  # int8 x is llama's layer only
+
+
+@pytest.mark.parametrize("attention", ["auto", "tiled"])
+def test_gemma_layers_past_the_switch(loop, gpu, test_library, family_model, attention):
+    """300 tokens, f32: the sharded family over the whole context in the global layer and over the
+    window in the sliding ones (or the tiled nest forced over both), equal to the reference."""
+    name, folder, reference = family_model
+    if name != "tiny_gemma3":
+        pytest.skip("the sliding window is Gemma's")
+    _, nests = run_and_compare(loop, gpu, test_library, folder, reference, TEST_MODEL_CONFIGS[name].vocab_size,
+                               "float32", 300, steps=2, attention=attention)
+    assert set(nests) == {"sharded" if attention == "auto" else "tiled"}
+
+
+def test_a_family_config_from_gguf_metadata():
+    """A gemma3 file's header gives the family, the window and head_dim wider than dim / heads."""
+    metadata = {"general.architecture": "gemma3", "gemma3.embedding_length": 640, "gemma3.block_count": 18,
+                "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1,
+                "gemma3.attention.key_length": 256, "gemma3.feed_forward_length": 2048,
+                "gemma3.rope.freq_base": 1e6, "gemma3.attention.layer_norm_rms_epsilon": 9.99999997e-07,
+                "gemma3.attention.sliding_window": 512, "tokenizer.ggml.tokens": ["a"] * 262144}
+    config = config_from_metadata(metadata, has_output_head=False)
+    assert (config.family, config.sliding_window, config.head_dim, config.rms_eps) == ("gemma3", 512, 256, 1e-6)
+
+
+def test_an_unsupported_architecture_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'phi3' \(it needs fused QKV.*runs llama, qwen2, qwen3, gemma3"):
+        config_from_metadata({"general.architecture": "phi3"}, has_output_head=False)
