@@ -253,7 +253,9 @@ class AttentionInputs:
 
 
 def _attention_values(shape, n: int, start: int, num_pages: int, used: int) -> dict:
-    return {"n": n, "num_pages": num_pages, "used_pages": used, "start": start, "sm_scale": shape.head_dim ** -0.5}
+    """The call's values: the whole causal prefix (window 0), as AttentionInputs' reference sees it."""
+    return {"n": n, "num_pages": num_pages, "used_pages": used, "start": start, "sm_scale": shape.head_dim ** -0.5,
+            "window": 0}
 
 
 async def check_prefill_attention(model, seed: int = 0, on_row=lambda row: None) -> list[dict]:

@@ -13,13 +13,15 @@ from contract.kernels import (PREFILL_TOKEN_TILE, QUANTIZED_X, SERVED_MATMUL_SUB
 from contract.model import (DTYPE_TAGS, DTYPES, MODEL_CONFIGS, SYNTHETIC_CONFIGS, TEST_MODEL_CONFIGS,
                             AttentionShape, all_wide)
 from kernels.catalog import (KernelRecipe, attention_recipe, attention_recipes, fill_recipes, llama_recipes,
-                             matrix_prefill_attention_recipe, prefill_attention_recipes, probe_recipe, repack_recipes)
+                             matrix_prefill_attention_recipe, model_dtypes, prefill_attention_recipes, probe_recipe,
+                             repack_recipes)
+from kernels.prefill_attention import prefill_layout
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
 
 # Decode attention (tests/test_decode_attention.py): the family runs on a grid of (head_dim, GQA group,
 # dtype) that gives every head_dim both dtypes and every head-vector layout of the subgroup builds (1,
 # 2, 3-4 and 8 heads) a shape; the RoPE, empty-sequence and unused-slot tests reuse its f32 shapes, the
-# window tests have two shapes of their own. The subgroup layout runs as the relative build of 8 lanes
+# window tests have shapes of their own. The subgroup layout runs as the relative build of 8 lanes
 # per row, and the exact build of 4 lanes per row for subgroups of exactly 8: the subgroup size of the
 # CPU adapter the tests run on (lavapipe on 256-bit vectors). Lavapipe compiles each kernel at its
 # first dispatch, 10-25 s for the largest on a machine without Mesa's shader cache, so the grid is kept
@@ -29,7 +31,8 @@ from kernels.wgsl import MAX_WORKGROUP_STORAGE
 TEST_SUBGROUP_BUILDS = ((8, None), (4, 8))
 # The shards layouts (the fallback without subgroups) compile slowest, so they run on fewer shapes:
 # both row paths (head_dim 64: a lane per dim; 128 and 256: dims split over threadIdx.y), both
-# dtypes, groups 3 and 8, a window at head_dim 64 (shards_group) and 256 (shards, f16).
+# dtypes, groups 3 and 8, a window at head_dim 64 (shards_group) and at Gemma 3's head_dim 256
+# (every layout, both dtypes).
 ALL_LAYOUTS = LAYOUT_NAMES
 TEST_FAMILY_GRID = [(64, 1, "float16", ("subgroup",)), (64, 3, "float32", ALL_LAYOUTS),
                     (128, 2, "float16", ("subgroup",)), (128, 8, "float32", ALL_LAYOUTS),
@@ -40,15 +43,20 @@ TEST_FAMILY_GRID = [(64, 1, "float16", ("subgroup",)), (64, 3, "float32", ALL_LA
 TEST_SHAPES = [AttentionShape(2 if group == 1 else 1, (2 if group == 1 else 1) * group, d)
                for d in (64, 128, 256) for group in range(1, 9)]
 TEST_TILED_GRID = [(shape, DTYPES[i % 2]) for i, shape in enumerate(TEST_SHAPES)]
+# Gemma 3's attention shape (1 KV head, 4 query heads, head_dim 256, most layers a sliding window):
+# every layout, both dtypes.
+GEMMA3_SHAPE = AttentionShape(1, 4, 256)
 TEST_WINDOW_SHAPES = [(AttentionShape(1, 4, 64), "float32", ("shards_group", "subgroup")),
-                      (AttentionShape(1, 4, 256), "float16", ("shards", "subgroup"))]
+                      (GEMMA3_SHAPE, "float16", ALL_LAYOUTS), (GEMMA3_SHAPE, "float32", ALL_LAYOUTS)]
 
 
 # Prefill attention on GQA groups 1, 3, 4 and 8 at head_dim 64 and groups 1 and 8 at 128 (lavapipe
-# compiles head_dim 128 slowly), the dtypes alternating so that each head_dim has both; the tiled
-# prefill matmul with each fold on a small shape, both dtypes (tests/test_prefill_kernels.py).
+# compiles head_dim 128 slowly), the dtypes alternating so that each head_dim has both, and Gemma 3's
+# shape (head_dim 256: a row's dims split over two threads) in both; the tiled prefill matmul with
+# each fold on a small shape, both dtypes (tests/test_prefill_kernels.py).
 TEST_PREFILL_ATTENTION = [(AttentionShape(2 if group == 1 else 1, (2 if group == 1 else 1) * group, d), DTYPES[i % 2])
-                          for d, groups in ((64, (1, 3, 4, 8)), (128, (1, 8))) for i, group in enumerate(groups)]
+                          for d, groups in ((64, (1, 3, 4, 8)), (128, (1, 8))) for i, group in enumerate(groups)] + [
+    (GEMMA3_SHAPE, dtype) for dtype in DTYPES]
 TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, swiglu)
     "plain": (128, 256, False, False, False), "residual": (192, 128, True, False, False),
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
@@ -138,6 +146,13 @@ TEST_QUANTIZERS = {(dtype, normed, merge): f"test_quantize_x{'_norm' * normed}{f
 TEST_SYNTHETIC_SHAPES = ("llama_3_2_1b", "llama_3_1_8b")
 
 
+def grid_prefill_attention_recipe(shape: AttentionShape, dtype: str) -> KernelRecipe:
+    """The scalar prefill attention of a grid shape (what kernels.catalog.prefill_attention_recipes
+    builds, but at every head_dim the kernel takes, 256 included)."""
+    return attention_recipe(AttentionSpec("prefill", shape, dtype), "prefill_attention",
+                            prefill_layout(shape.head_dim, dtype))
+
+
 def grid_recipes() -> list[KernelRecipe]:
     """TVM's tiled kernel for every head_dim with GQA groups 1-8 (it is wrong for some: the build
     marks them), the sharded family on the test grid and the shapes of the RoPE, window and
@@ -149,8 +164,7 @@ def grid_recipes() -> list[KernelRecipe]:
     for shape, dtype, window, layouts in cases:
         recipes += attention_recipes(shape, dtype, window, layouts=layouts,
                                      build_params={"builds": subgroup_builds_for_tests(shape)})
-    recipes += [prefill_attention_recipe for shape, dtype in TEST_PREFILL_ATTENTION
-                for prefill_attention_recipe in prefill_attention_recipes(shape, dtype)]
+    recipes += [grid_prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     recipes += [matrix_prefill_attention_recipe(shape) for shape, _dtype in TEST_PREFILL_ATTENTION]  # every group
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
@@ -182,9 +196,11 @@ def grid_recipes() -> list[KernelRecipe]:
                                  build_params={"builds": TEST_SUBGROUP_BUILDS[:1]})
     recipes += prefill_attention_recipes(smollm2.attention_shape, "float32")
     recipes += llama_recipes(smollm2, "float32", TEST_MATMUL_SUBGROUP_LANES[:1])
-    for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny model
-        for dtype in DTYPES:
+    for name, config in TEST_MODEL_CONFIGS.items():  # the native model tests' tiny models
+        for dtype in model_dtypes(config):
             recipes += attention_recipes(config.attention_shape, dtype)
+            if config.sliding_window is not None:
+                recipes += attention_recipes(config.attention_shape, dtype, sliding_window=True)
             recipes += prefill_attention_recipes(config.attention_shape, dtype)
             for weights in (config, all_wide(config)):  # Q8A matrices: tests/test_gguf_model.py
                 recipes += llama_recipes(weights, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])

@@ -19,7 +19,7 @@ import pytest
 
 from app.bench.harness import DecodeCall
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2, sub_batch, wgsl_block
-from kernel_grid import (TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, TEST_WINDOW_SHAPES,
+from kernel_grid import (GEMMA3_SHAPE, TEST_FAMILY_GRID, TEST_SUBGROUP_BUILDS, TEST_TILED_GRID, TEST_WINDOW_SHAPES,
                          grid_shape, subgroup_builds_for_tests)
 from kernels.decode_attention_sharded import layout_builds as shards_builds
 from kernels.paged_kv import MASKED_SCORE
@@ -250,6 +250,40 @@ def test_family_with_sliding_window(loop, gpu, test_library, kernel_set, shape, 
                                    dtype, sliding_window=window, fill_unused=1e4)  # stray reads would blow up
         Family(loop, gpu, test_library, kernel_set, shape, dtype, sliding_window=True).check(
             inputs, dtype, [3, 40] if seed else [2, 5])
+
+
+# Gemma 3's sliding window: 512 tokens, no sink. Contexts shorter than the window, and longer by 1,
+# 88, 488 and 1,489 tokens: the slid pages are dropped, so each page table starts mid-sequence, with
+# the window's offset in its first page 1 or 8.
+GEMMA3_WINDOW = {"window": 512, "sink": 0}
+GEMMA3_CONTEXTS = [40, 513, 600, 1000, 2001]
+GEMMA3_CASES = [(dtype, kernel_set) for shape, dtype, layouts in TEST_WINDOW_SHAPES if shape == GEMMA3_SHAPE
+                for kernel_set in ["tiled", *family_sets(shape, layouts)]]
+
+
+@pytest.mark.parametrize("dtype,kernel_set", GEMMA3_CASES, ids=[f"{v}-{d}" for d, v in GEMMA3_CASES])
+def test_gemma3_sliding_window(loop, gpu, test_library, dtype, kernel_set):
+    """Gemma 3's attention shape (1 KV head, 4 query heads, head_dim 256) over its window of 512
+    (TVM's [3, B] length_info: last page fill, window offset, sink 0) on TVM's tiled kernel and every
+    layout of the family, whole and split (split kernel + merge); the slots outside the windows hold
+    1e4, so a stray read shows."""
+    skip_without_f16(gpu, dtype)
+    if kernel_set != "tiled":
+        skip_without_subgroups(gpu, kernel_set)
+    inputs = make_paged_inputs(np.random.default_rng(512 + len(dtype)), GEMMA3_CONTEXTS, 1, 4, 256, dtype,
+                               sliding_window=GEMMA3_WINDOW, fill_unused=1e4)
+    offsets = inputs["length_info"][1]
+    assert inputs["kv_lens"] == [40, 512, 512, 512, 512] and sorted(set(offsets[1:].tolist())) == [1, 8]
+    assert [int(kept[0]) for kept in inputs["kept_tokens"]] == [0, 1, 88, 488, 1489]  # windows start mid-sequence
+    if kernel_set == "tiled":
+        name = attention_kernel_name("tiled", GEMMA3_SHAPE, dtype, True)
+        assert tiled_defect(test_library.specs[name]) is None
+        out, lse = loop.run_until_complete(DecodeCall(gpu, loop.run_until_complete(test_library.kernel(name)),
+                                                      inputs).run())
+        check(name, out, lse, *reference(inputs), inputs["kv_lens"], TOLERANCE[dtype])
+    else:
+        Family(loop, gpu, test_library, kernel_set, GEMMA3_SHAPE, dtype, sliding_window=True).check(
+            inputs, dtype, [3, 16])
 
 
 @pytest.mark.parametrize("kernel_set", family_sets(F32_SHAPE[128], F32_LAYOUTS[128]))

@@ -169,7 +169,7 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
                                       short_prefill_decode_attention=False)
     assert model.has_prefill_matrix and model.options.prefill_matrix is True
     assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
-        matrix_roles(llama_kernels(TINY, "float16")))
+        matrix_roles(llama_kernels(TINY, "float16"), TINY.arch))
     rng = np.random.default_rng(5)
     tiny_reference.reset()
     history = []
