@@ -46,6 +46,9 @@ class Family:
     # the last `sliding_window` tokens (the config's, from the file) with RoPE base `local_rope_theta`.
     global_every: int | None = None
     local_rope_theta: float | None = None
+    # Whether activations may be f16: Gemma 3's residual stream passes f16's 65,504 (Gemma 3 270M reaches
+    # 1.04e5 on a six-token prompt, and its f16 logits are NaN), so it runs the f32 kernels.
+    f16_activations: bool = True
 
     def __post_init__(self):
         if self.ffn_activation not in ACTIVATIONS or self.rope_pairs not in ROPE_PAIRS:
@@ -74,7 +77,7 @@ FAMILIES = {f.name: f for f in (
     Family("qwen2", rope_pairs="halves", qkv_bias=True),
     Family("qwen3", rope_pairs="halves", qk_norm=True),
     Family("gemma3", ffn_activation="gelu_tanh", rope_pairs="halves", qk_norm=True, post_norms=True,
-           embed_scale_sqrt_dim=True, global_every=6, local_rope_theta=10000.0),
+           embed_scale_sqrt_dim=True, global_every=6, local_rope_theta=10000.0, f16_activations=False),
 )}
 
 # The GGUF tensor of each runtime norm (llama.cpp's names, the same in every family).

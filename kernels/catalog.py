@@ -162,8 +162,6 @@ def attention_recipes(shape: AttentionShape, dtype: str, sliding_window: bool = 
 def prefill_attention_recipes(shape: AttentionShape, dtype: str) -> list[KernelRecipe]:
     """The causal paged prefill attention kernel of one shape (head_dim at most 128: it keeps D/4
     vectors of q and O a thread), and in f16 its build on subgroup matrices."""
-    if shape.head_dim > 128:
-        return []
     recipes = [attention_recipe(AttentionSpec("prefill", shape, dtype), "prefill_attention",
                                 prefill_layout(shape.head_dim, dtype))]
     if dtype == "float16" and shape.head_dim % MATRIX_FRAGMENT == 0:
@@ -196,6 +194,11 @@ def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> lis
     return list(recipes.values())
 
 
+def model_dtypes(c: LlamaConfig) -> tuple[str, ...]:
+    """The dtypes a model's kernels are built in: f32 only for a family whose activations overflow f16."""
+    return DTYPES if c.arch.f16_activations else ("float32",)
+
+
 def all_recipes() -> list[KernelRecipe]:
     """The served artifact: the probes, decode attention for the benchmark's and the models' shapes,
     and every model's kernels."""
@@ -206,10 +209,10 @@ def all_recipes() -> list[KernelRecipe]:
             recipes += prefill_attention_recipes(shape, dtype)
     for config in MODEL_CONFIGS.values():  # the decode nests over a window, for models with sliding-window layers
         if config.sliding_window is not None:
-            for dtype in DTYPES:
+            for dtype in model_dtypes(config):
                 recipes += attention_recipes(config.attention_shape, dtype, sliding_window=True)
     for name, config in MODEL_CONFIGS.items():  # each also with Q8A matrices (a GGUF wider than 4 bits)
-        for dtype in DTYPES:
+        for dtype in model_dtypes(config):
             for weights in (config, all_wide(config)):
                 recipes += llama_recipes(weights, dtype, (SERVED_MATMUL_SUBGROUP_LANES,))
     served_shapes = set(BENCH_SHAPES + MODEL_SHAPES)

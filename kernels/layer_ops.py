@@ -190,7 +190,8 @@ def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, q
     value eps); pairs (x[2i], x[2i+1]) ("adjacent") or (x[i], x[i + D/2]) ("halves"), both rotated by
     theta^(-2i/D) (rope_inv_freq; theta is the layer's: its `rope_exponent`).
 
-    One workgroup per token, its threads over one head's dims (head_dim <= THREADS), the heads in turn.
+    One workgroup per token and head of q or k (a k head's also appends its V head), its threads over
+    the head's dims (head_dim <= THREADS).
     """
     D = head_dim
     assert D <= THREADS and D % 2 == 0
@@ -228,15 +229,15 @@ def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, q
         positions = T.match_buffer(positions_h, (n,), "int32")
         slots = T.match_buffer(slots_h, (n,), "int32")
         for i in T.thread_binding(n, thread="blockIdx.x"):
-            for t in T.thread_binding(THREADS, thread="threadIdx.x"):
-                with T.sblock("rope_heads"):
-                    T.reads()
-                    T.writes()
-                    partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
-                    inv_rms = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    page: T.let[T.int32] = slots[i] // page_size
-                    slot: T.let[T.int32] = slots[i] % page_size
-                    for head in T.serial(q_heads + kv_heads):  # q heads, then k heads
+            for head in T.thread_binding(q_heads + kv_heads, thread="blockIdx.y"):  # q heads, then k heads
+                for t in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    with T.sblock("rope_heads"):
+                        T.reads()
+                        T.writes()
+                        partial = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+                        inv_rms = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        page: T.let[T.int32] = slots[i] // page_size
+                        slot: T.let[T.int32] = slots[i] % page_size
                         inv_rms[0] = T.float32(1)
                         if qk_norm:
                             partial[t] = T.float32(0)
@@ -266,11 +267,9 @@ def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, q
                             else:
                                 pages[page, 0, head - q_heads, slot, lo] = T.Cast(dtype, x0 * c - x1 * sn)
                                 pages[page, 0, head - q_heads, slot, hi] = T.Cast(dtype, x0 * sn + x1 * c)
-                    for trip in T.serial(T.ceildiv(kv_heads * D, THREADS)):
-                        e: T.let[T.int32] = trip * THREADS + t
-                        if e < kv_heads * D:
-                            pages[page, 1, e // D, slot, e % D] = T.Cast(
-                                dtype, loaded(qkv, qkv_bias, i, (q_heads + kv_heads) * D + e))
+                        if head >= q_heads and t < D:  # a k head's workgroup also appends its V head
+                            pages[page, 1, head - q_heads, slot, t] = T.Cast(
+                                dtype, loaded(qkv, qkv_bias, i, (head + kv_heads) * D + t))
 
     return rope_heads
 

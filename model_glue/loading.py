@@ -142,9 +142,12 @@ class _Loader:
                  dtype: str | None, context_length: int, tensor_bytes: dict[str, int]):
         self.device, self.library, self.config_name, self.config = device, library, config_name, config
         self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
-        self.dtype = dtype or ("float16" if device.has_f16 else "float32")
+        self.dtype = dtype or ("float16" if device.has_f16 and config.arch.f16_activations else "float32")
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
+        if self.dtype == "float16" and not config.arch.f16_activations:
+            raise ModelError(f"the {config.family} family's activations overflow float16 (contract.family); "
+                             "it runs in float32")
         self.specs, self.attention = runnable_kernels(library, config, self.dtype, device,
                                                       self.options.matmul_subgroups, self.options.matmul_int8_x,
                                                       self.options.fold_norms, self.options.prefill_matrix)

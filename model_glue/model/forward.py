@@ -167,7 +167,7 @@ def attention_buffers(m, layer: int, n: int, nnz_pages: int, choice: AttentionCh
     if choice.nest == "prefill":  # the pass's n tokens after the kv.length - n cached before them
         return ({"q": buf["q"], "pages": m.kv.layers[layer], "page_ids": buf["page_ids"], "output": buf["attn"]},
                 {"n": n, "num_pages": m.kv.num_pages, "used_pages": nnz_pages, "start": m.kv.length - n,
-                 "sm_scale": c.head_dim ** -0.5, "window": 0})  # the whole causal prefix (layers with a window: decode kernels)
+                 "sm_scale": c.head_dim ** -0.5, "window": layer_window(c, layer) or 0})  # 0: the whole causal prefix
     # RoPE was applied at append (adjacent pairs, as the GGUF's Q/K expect): rotary_mode 0.
     # The page table grows with the context: attention's values change every step.
     return attention_call(
@@ -190,7 +190,7 @@ def layer_attention_dispatches(m, plan: PassPlan, layer: int, nnz_pages: int) ->
     """(kernel, buffers, values) of one layer's attention call. A sliding-window layer's merge runs with
     the other layers' values (the same B and S: the kernel is shared, and so is its uniform)."""
     buffers, values = attention_buffers(m, layer, plan.n, nnz_pages, plan.attention)
-    if plan.window_attention is None or layer_window(m.config, layer) is None:
+    if plan.window_attention is None or layer_window(m.config, layer) is None or plan.attention.nest == "prefill":
         return attention_dispatches(pass_attention_kernels(m, plan), buffers, values)
     window_buffers, window_values = attention_buffers(m, layer, plan.n, nnz_pages, plan.window_attention, window=True)
     dispatches = attention_dispatches(pass_attention_kernels(m, plan, window=True), window_buffers, window_values)

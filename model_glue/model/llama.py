@@ -220,9 +220,8 @@ class LlamaModel:
         window = self.config.sliding_window
         if window is None:
             return None
-        if attention.nest == "prefill":
-            raise ModelError("the causal prefill kernel has no sliding window yet; prompts go through the "
-                             "decode kernels (short_prefill_decode_attention)")
+        if attention.nest == "prefill":  # the causal kernel takes each layer's window as a value
+            return attention
         choice = self._choose([min(c, window) for c in query_contexts(n, start)], window=True)
         if choice.nest == "sharded" and attention.nest == "sharded":
             choice = AttentionChoice(choice.nest, choice.layout, attention.num_splits)
