@@ -161,7 +161,7 @@ SYNTHETIC_DTYPES = ("float16",)
 # The names people call them by (`?model=synthetic:llama-3.1-8b`, `--shape llama-3.1-8b`).
 SYNTHETIC_NAMES = {"smollm2-360m": "smollm2_360m", "smollm2-1.7b": "smollm2_1_7b", "tinyllama-1.1b": "tinyllama_1_1b",
                    "llama-3.2-1b": "llama_3_2_1b", "llama-3.2-3b": "llama_3_2_3b", "llama-3.1-8b": "llama_3_1_8b",
-                   "mistral-7b": "mistral_7b"}
+                   "mistral-7b": "mistral_7b", "gemma3-270m": "gemma3_270m"}
 
 
 def synthetic_config_name(name: str) -> str:
