@@ -81,6 +81,28 @@ def test_gemma_layers_past_the_switch(loop, gpu, test_library, family_model, att
     assert set(nests) == {"sharded" if attention == "auto" else "tiled"}
 
 
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_a_family_gguf_opens_as_its_reference(loop, gpu, test_library, tmp_path, name):
+    """A GGUF of the family (app.bench.gguf_files writes its keys, norms and biases by llama.cpp's names)
+    opens through the runtime's own reader and matches the reference over the `gguf` package's reading."""
+    from app.bench.gguf_files import write_llama_gguf
+    from gguf_reference import load_gguf_weights
+    from model_glue.formats.gguf_file import file_reader
+    from model_glue.sources import GGUFFile, open_model
+
+    path = tmp_path / f"{name}.gguf"
+    write_llama_gguf(path, TEST_MODEL_CONFIGS[name], types={"matrix": "Q4_0", "embed": "Q8_0"}, seed=5, dense=False)
+    reference = ReferenceLlama(*load_gguf_weights(path))
+    opened = loop.run_until_complete(open_model(gpu, test_library, GGUFFile(*file_reader(path)), dtype="float32"))
+    assert opened.model.config.family == TEST_MODEL_CONFIGS[name].family
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, 500, 40)]
+    token = loop.run_until_complete(opened.model.forward(ids))
+    got = np.frombuffer(loop.run_until_complete(opened.model.read_logits()), np.float32).astype(np.float64)
+    want = reference.forward(ids, 0)[-1]
+    assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < LOGIT_TOLERANCE["float32"]
+    assert token == int(np.argmax(want))
+
+
 def test_a_family_config_from_gguf_metadata():
     """A gemma3 file's header gives the family, the window and head_dim wider than dim / heads."""
     metadata = {"general.architecture": "gemma3", "gemma3.embedding_length": 640, "gemma3.block_count": 18,

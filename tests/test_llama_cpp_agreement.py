@@ -151,6 +151,33 @@ def test_tiny_ggufs_agree_with_llama_cpp(loop, gpu, test_library, tmp_path, toke
     assert result.forced >= MIN_AGREEMENT, result
 
 
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
+def test_family_ggufs_agree_with_llama_cpp(loop, gpu, test_library, tmp_path, name):
+    """Each non-llama family (contract.family) as a random tiny GGUF that llama.cpp reads as that
+    architecture: QKV biases (qwen2), QK-norm with heads wider than the model (qwen3), Gemma 3's
+    post-norms, GELU, embedding scale and sliding window (tiny: 32 tokens, which the prompts and replies pass)."""
+    path = tmp_path / f"{name}.gguf"
+    write_llama_gguf(path, ALL_MODEL_CONFIGS[name], tokenizer="gpt2", pre="llama-bpe", chat_template=CHATML,
+                     types={"matrix": "Q4_0", "embed": "Q8_0"}, seed=11, dense=False)
+    result = agreement(loop, gpu, test_library, path, dtype="float32")
+    assert result.forced >= MIN_AGREEMENT, result
+
+
+def test_gemma3_270m_agrees_with_llama_cpp(loop, gpu, library):
+    """Gemma 3 270M's real file (a base model: the prompts are plain text): ours equals the file's f64
+    model at >= 126/128 teacher-forced steps, and llama.cpp as well as that model does (within 2 steps),
+    every miss a near-tie of llama.cpp's (at most MAX_MISS_MARGIN)."""
+    from gguf_reference import load_gguf_weights
+    from model_reference import ReferenceLlama
+    from test_family_reference import GEMMA3
+
+    exact = ReferenceLlama(*load_gguf_weights(GEMMA3))
+    result = agreement(loop, gpu, library, GEMMA3, dtype="float32", reference_model=exact)
+    assert result.reference_ours >= 126 / 128, result
+    assert result.forced >= min(MIN_AGREEMENT, result.reference_llama - 2 / (4 * STEPS)), result
+    assert max(result.miss_margins, default=0) <= MAX_MISS_MARGIN, result
+
+
 # llama.cpp's own quantizer (llama_model_quantize) writes SmolLM2 in each of these from the Q4_1 file
 # (requantizing). SmolLM2's 576-wide rows make it fall back from K-quants for most tensors, as it does for
 # many small models, so the files hold Q5_0 / Q5_1 / Q8_0 beside Q4_K / Q5_K / Q6_K.

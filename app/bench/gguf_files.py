@@ -13,7 +13,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
 
-from contract.model import LlamaConfig, rope_frequency_divisors
+from contract.family import GGUF_LAYER_NORMS
+from contract.model import LlamaConfig, norm_width, rope_frequency_divisors
 
 
 def _half_bytes(x: np.ndarray) -> np.ndarray:
@@ -140,7 +141,8 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
                      pre: str = "smollm", chat_template: str | None = None, seed: int = 0,
                      rope_freqs: bool = False, extra_tensor: tuple | None = None, dense: bool = True,
                      context_length: int = 4096) -> dict:
-    """Write a llama GGUF of `config` with random weights; `types` picks each role's tensor type
+    """Write a GGUF of `config` (of its family, contract.family: the architecture's keys, norms and
+    biases) with random weights; `types` picks each role's tensor type
     ("matrix", "embed", "head", "norm"; default Q4_0 / Q8_0 / Q8_0 / F32), a layer matrix's own where
     given ("down", or "down.1" for layer 1's: a llama.cpp mix such as Q4_K_M's). Returns gguf's dequantized
     dense weights under the runtime's names (embed, head, layers.i.qkv, ...), the f64 reference's input
@@ -150,7 +152,7 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
     keep_dense = dense
     rng = np.random.default_rng(seed)
     c = config
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), config.family)
     writer.add_block_count(c.n_layers)
     writer.add_context_length(context_length)
     writer.add_embedding_length(c.dim)
@@ -158,6 +160,10 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
     writer.add_head_count(c.n_heads)
     writer.add_head_count_kv(c.n_kv_heads)
     writer.add_rope_dimension_count(c.head_dim)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    if c.sliding_window is not None:
+        writer.add_sliding_window(c.sliding_window)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_eps)
     writer.add_vocab_size(c.vocab_size)
@@ -206,8 +212,13 @@ def write_llama_gguf(path, config: LlamaConfig, *, types: dict | None = None, to
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     for layer in range(c.n_layers):
         b, p = f"blk.{layer}", f"layers.{layer}"
-        dense[f"{p}.attn_norm"] = tensor(f"{b}.attn_norm.weight", None, 1 + 0.1 * matrix(1, c.dim, 1)[0], types["norm"])
-        dense[f"{p}.ffn_norm"] = tensor(f"{b}.ffn_norm.weight", None, 1 + 0.1 * matrix(1, c.dim, 1)[0], types["norm"])
+        for norm in c.arch.layer_norms:  # the family's (contract.family), by llama.cpp's names
+            width = norm_width(c, norm)
+            dense[f"{p}.{norm}"] = tensor(f"{b}.{GGUF_LAYER_NORMS[norm]}.weight", None,
+                                          1 + 0.1 * matrix(1, width, 1)[0], types["norm"])
+        if c.arch.qkv_bias:
+            dense[f"{p}.qkv_bias"] = np.concatenate([
+                tensor(f"{b}.attn_{n}.bias", None, 0.5 * matrix(1, r, 1)[0], "F32") for n, r in (("q", q), ("k", kv), ("v", kv))])
         def type_of(m):
             return types.get(f"{m}.{layer}", types.get(m, types["matrix"]))
 
