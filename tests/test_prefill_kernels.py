@@ -253,13 +253,20 @@ MATMUL_CASES = [(flags, None, dtype, tile, matrix) for flags in TEST_PREFILL_MAT
     for dtype in ("float16", "float32")]
 
 
+_EMULATED: dict[tuple, Kernel] = {}  # (device, name) -> kernel: the emulated builds compile slowly on lavapipe
+
+
 def matrix_kernel(loop, gpu, test_library, test_artifact_dir, name):
-    """A subgroup-matrix kernel of the test artifact with its builtins emulated (the adapter has none)."""
-    spec = test_library.specs[name]
-    assert SUBGROUP_MATRIX in spec.features and spec.meta["source"] == "wgsl"
-    wgsl = emulated((test_artifact_dir / spec.wgsl).read_text())
-    plain = dataclasses.replace(spec, features=[f for f in spec.features if f != SUBGROUP_MATRIX])
-    return loop.run_until_complete(Kernel.compile(gpu, plain, wgsl))
+    """A subgroup-matrix kernel of the test artifact with its builtins emulated (the adapter has none),
+    compiled once a session."""
+    key = (id(gpu), name)
+    if key not in _EMULATED:
+        spec = test_library.specs[name]
+        assert SUBGROUP_MATRIX in spec.features and spec.meta["source"] == "wgsl"
+        wgsl = emulated((test_artifact_dir / spec.wgsl).read_text())
+        plain = dataclasses.replace(spec, features=[f for f in spec.features if f != SUBGROUP_MATRIX])
+        _EMULATED[key] = loop.run_until_complete(Kernel.compile(gpu, plain, wgsl))
+    return _EMULATED[key]
 
 
 @pytest.mark.parametrize("flags,subgroup_lanes,dtype,token_tile,matrix", MATMUL_CASES,
