@@ -46,8 +46,8 @@ class Family:
     # the last `sliding_window` tokens (the config's, from the file) with RoPE base `local_rope_theta`.
     global_every: int | None = None
     local_rope_theta: float | None = None
-    # Whether activations may be f16: Gemma 3's residual stream passes f16's 65,504 (Gemma 3 270M reaches
-    # 1.04e5 on a six-token prompt, and its f16 logits are NaN), so it runs the f32 kernels.
+    # Whether activations may be f16: Gemma 3's residual stream passes f16's 65,504 (docs/benchmarks.md),
+    # so the family runs the f32 kernels.
     f16_activations: bool = True
 
     def __post_init__(self):

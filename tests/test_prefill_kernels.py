@@ -141,8 +141,8 @@ def random_chunk(rng, shape, dtype, start, n, growth=None, q_scale=2.0):
     return q, k, v
 
 
-# head_dim 256's matrix build (22 s to compile emulated on lavapipe) runs in the windowed test only,
-# whose cases include a window longer than the context
+# head_dim 256's matrix build (slow to compile emulated) runs in the windowed test only, whose cases
+# include a window longer than the context
 PLAIN_CASES = [case for case in ATTENTION_CASES if not (case[2] and case[0].head_dim == 256)]
 
 

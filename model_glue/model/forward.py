@@ -8,6 +8,7 @@ No numpy and no TVM: the same code runs in Pyodide and natively.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 
 from contract.attention import AttentionChoice
 from contract.family import FAMILIES, Family
@@ -208,8 +209,7 @@ def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) ->
     """(kernel, values) of each kernel of a decode pass whose values change per step: attention
     (the context grows), the merging o-projection or quantizer (S may change) and the sampler (a new draw)."""
     choice = plan.attention
-    first = {layer_window(m.config, i) is None: i for i in reversed(range(m.config.n_layers))}
-    layers = sorted(first.values())  # the first layer of each kind (global, sliding-window): their calls
+    layers = first_layer_of_each_kind(m.config)  # global and sliding-window calls differ in their values
     pairs = [(kernel, v) for layer in layers for kernel, _, v in layer_attention_dispatches(m, plan, layer, nnz_pages)]
     if plan.o_merges:
         merging = matmul_role(Matmul.O_RESIDUAL_MERGE)
@@ -220,6 +220,13 @@ def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) ->
     if sampling is not None and not sampling.greedy:
         pairs.append((m.kernels["sample"], role_values(m, "sample", **sampling.kernel_values(draw))))
     return pairs
+
+
+@lru_cache(maxsize=16)  # asked every decode step; a config's layers never change
+def first_layer_of_each_kind(c) -> tuple[int, ...]:
+    """The first global layer and the first sliding-window one (where the model has them)."""
+    first = {layer_window(c, i) is None: i for i in reversed(range(c.n_layers))}
+    return tuple(sorted(first.values()))
 
 
 def o_merge_values(choice: AttentionChoice) -> dict:
