@@ -386,6 +386,7 @@ class Matmul(StrEnum):
     # merges a split attention call's partial states
     NORM_QKV_ROPE_APPEND = "norm_qkv_rope_append"
     O_RESIDUAL_MERGE = "o_residual_merge"
+    O_MERGE = "o_merge"  # ... without the residual, for a post-norm family (Family.post_norms)
 
 
 class Role(StrEnum):
@@ -565,8 +566,8 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
             *weights["qkv"], dtype, matrix_format(c, "qkv"), norm_eps=c.rms_eps,
             rope_append=RopeAppend(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling))
     # after a split attention call (where `o_merges_splits`): the o-projection merges the partial states
-    if arch.residual_in_matmul and o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
-        roles[matmul_role(Matmul.O_RESIDUAL_MERGE)] = o_merge_spec(c, dtype)
+    if o_merges_splits(c, dtype, 2):  # S = 2 reads least: a shape that does not merge then never does
+        roles[matmul_role(o_merge_matmul(arch))] = o_merge_spec(c, dtype)
     matmuls = layer_matmuls(arch)
     for prefill in (False, True):
         for matmul, weight in matmuls.items():
@@ -621,9 +622,15 @@ def o_merges_splits(c: LlamaConfig, dtype: str, num_splits: int) -> bool:
     return num_splits > 1 and spec.in_features <= O_MERGE_MAX_X and read <= O_MERGE_MAX_READ
 
 
+def o_merge_matmul(arch: Family) -> Matmul:
+    """The family's decode o-projection that merges a split call: with the residual, or before a post-norm."""
+    return Matmul.O_RESIDUAL_MERGE if arch.residual_in_matmul else Matmul.O_MERGE
+
+
 def o_merge_spec(c: LlamaConfig, dtype: str) -> MatmulSpec:
-    """The decode o-projection (+ residual) that merges a split attention call's partial states."""
-    return MatmulSpec(c.dim, c.n_heads * c.head_dim, dtype, matrix_format(c, "o"), residual=True,
+    """The decode o-projection (+ residual, where the family adds it there) that merges a split
+    attention call's partial states."""
+    return MatmulSpec(c.dim, c.n_heads * c.head_dim, dtype, matrix_format(c, "o"), residual=c.arch.residual_in_matmul,
                       split_head_dim=c.head_dim)
 
 

@@ -229,7 +229,7 @@ def pick_layout(context_lens: list[int], shape: AttentionShape, *, available: Co
     if forced is not None:
         if forced.layout not in available:
             raise ValueError(f"the {forced.layout!r} layout does not run this shape here")
-        return AttentionChoice("sharded", forced.layout, forced.num_splits)
+        return AttentionChoice("sharded", forced.layout, min(forced.num_splits, max(max_rows // max(len(context_lens), 1), 1)))
     ranked = sorted((rank, layout.name) for layout in LAYOUTS if layout.name in available
                     for rank in [layout_rank(layout.name, is_cpu)] if rank is not None)
     if not ranked:

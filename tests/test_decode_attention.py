@@ -433,6 +433,8 @@ def test_pick_layout():
     assert pick_layout([8192], AttentionShape(1, 16, 128), is_cpu=True, available={"shards"}) == sharded("shards")
     # Forced layouts, and what they may not ask for.
     assert pick_layout([8192], llama8b, **gpu, forced=LayoutChoice("shards_group", 32)) == sharded("shards_group", 32)
+    # a forced S shrinks for a batch whose rows would pass the workspace (a short prefill's queries)
+    assert pick_layout([300] * 64, llama8b, **gpu, forced=LayoutChoice("shards", 4)) == sharded("shards", MAX_SPLITS // 64)
     with pytest.raises(ValueError, match="does not run"):
         pick_layout([8192], llama8b, is_cpu=False, available=no_subgroups, forced=LayoutChoice.parse("subgroup:2"))
     with pytest.raises(ValueError, match="sharded layout must be one of"):

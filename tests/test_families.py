@@ -33,6 +33,7 @@ def run_and_compare(loop, gpu, library, folder, reference, vocab, dtype, prompt_
     read_text, read_bytes = folder_readers(folder)
     model = loop.run_until_complete(load_model(gpu, library, read_text, read_bytes, dtype=dtype,
                                                options=RunOptions(**options)))
+    loop.run_until_complete(model.use(None))  # a forced layout's kernels
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, vocab, prompt_tokens)]
     for start in range(0, len(prompt), CHUNK):
         token = loop.run_until_complete(model.forward(prompt[start:start + CHUNK]))
@@ -79,6 +80,26 @@ def test_gemma_layers_past_the_switch(loop, gpu, test_library, family_model, att
     _, nests = run_and_compare(loop, gpu, test_library, folder, reference, TEST_MODEL_CONFIGS[name].vocab_size,
                                "float32", 300, steps=2, attention=attention)
     assert set(nests) == {"sharded" if attention == "auto" else "tiled"}
+
+
+@pytest.mark.parametrize("attention", ["sharded", "auto"])
+def test_gemma_o_projection_merges_a_split_call(loop, gpu, test_library, family_model, attention):
+    """S = 4 over 300 tokens, f32, equal to the reference: with both calls split (the sharded nest
+    forced), the o-projection before the post-norm merges the partial states (Matmul.O_MERGE), one
+    dispatch a layer fewer than the merge kernel; with the window's call unsplit (auto: tiled over 32
+    tokens) the merge kernel runs."""
+    name, folder, reference = family_model
+    if name != "tiny_gemma3":
+        pytest.skip("the post-norm after o and the window are Gemma's")
+    dispatches = {}
+    for merge_in_o in (True, False):
+        model, _ = run_and_compare(loop, gpu, test_library, folder, reference, TEST_MODEL_CONFIGS[name].vocab_size,
+                                   "float32", 300, steps=2, attention=attention, layout="shards:4",
+                                   merge_in_o=merge_in_o, time_attention_every=1)
+        dispatches[merge_in_o] = model.stats[-1].dispatches
+        assert ("o-projection" in model.stats[-1].timing_note) == (merge_in_o and attention == "sharded")
+    saved = model.config.n_layers if attention == "sharded" else 0
+    assert dispatches[True] == dispatches[False] - saved
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)

@@ -13,7 +13,7 @@ from functools import lru_cache
 from contract.attention import AttentionChoice
 from contract.family import FAMILIES, Family
 from contract.kernels import (INT8_X_MATMULS, NORMED_INT8_X_MATMULS, SPLIT_WORKSPACE, Matmul, Role, folded_matmuls,
-                              matmul_role, rope_values)
+                              matmul_role, o_merge_matmul, rope_values)
 from contract.model import codes_tensor, head_tensor, layer_rope_theta, layer_window
 from contract.slices import RowSlice
 from model_glue.gpu.webgpu import BufferSlice
@@ -37,7 +37,7 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     apart = [] if fold_norms else [Role.RMS_NORM, Role.SWIGLU]
     apart += [Role.NORM_RESIDUAL] if arch.post_norms else []
     fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms and arch.fused_rope_append else []  # a decode step's qkv + RoPE + K/V append
-    fused += [matmul_role(Matmul.O_RESIDUAL_MERGE)] if o_merges else []
+    fused += [matmul_role(o_merge_matmul(arch))] if o_merges else []
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
         fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
         quantized = [m for m in INT8_X_MATMULS if not (normed_x_in_prologue and m in NORMED_INT8_X_MATMULS)]
@@ -212,7 +212,7 @@ def per_step_values(m, plan: PassPlan, nnz_pages: int, sampling, draw: float) ->
     layers = first_layer_of_each_kind(m.config)  # global and sliding-window calls differ in their values
     pairs = [(kernel, v) for layer in layers for kernel, _, v in layer_attention_dispatches(m, plan, layer, nnz_pages)]
     if plan.o_merges:
-        merging = matmul_role(Matmul.O_RESIDUAL_MERGE)
+        merging = matmul_role(o_merge_matmul(m.config.arch))
         pairs.append((m.kernels[merging], role_values(m, merging, **o_merge_values(choice))))
     if plan.quantizer_merges:
         pairs.append((m.kernels[Role.QUANTIZE_MERGE], role_values(m, Role.QUANTIZE_MERGE,
@@ -392,14 +392,19 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
         with enc.timed(*stamps.attention(layer)):
             for kernel, kernel_buffers, values in layer_attention_dispatches(m, plan, layer, nnz_pages):
                 enc.run(kernel, kernel_buffers, values, per_step=True)
+        split_states = {name: buf[name] for name in SPLIT_WORKSPACE}
         if arch.post_norms:  # x_mid = x + norm(attn @ Wo^T)
-            _matmul(m, enc, plan, Matmul.O, f"{p}.o", buf["attn"], buf["normed"])
+            if plan.o_merges:
+                _matmul(m, enc, plan, Matmul.O_MERGE, f"{p}.o", split_states, buf["normed"],
+                        values=o_merge_values(choice), per_step=True)
+            else:
+                _matmul(m, enc, plan, Matmul.O, f"{p}.o", buf["attn"], buf["normed"])
             _norm_residual(m, enc, n, buf["normed"], f"{p}.post_attn_norm", x, x_mid)
         elif plan.o_merges:  # x of the o-projection is merged from the split call's partial states
-            _matmul(m, enc, plan, Matmul.O_RESIDUAL_MERGE, f"{p}.o", {name: buf[name] for name in SPLIT_WORKSPACE}, x_mid,
+            _matmul(m, enc, plan, Matmul.O_RESIDUAL_MERGE, f"{p}.o", split_states, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
         elif plan.quantizer_merges:  # ... by the o-projection's quantizer
-            _quantize_x(m, enc, Role.QUANTIZE_MERGE, {name: buf[name] for name in SPLIT_WORKSPACE},
+            _quantize_x(m, enc, Role.QUANTIZE_MERGE, split_states,
                         values={"num_splits": choice.num_splits}, per_step=True)
             _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", _codes(m), x_mid, resid=x)
         else:

@@ -19,7 +19,7 @@ from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from contract.slices import vocab_row_bytes, vocab_slices
 from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, normed_x_in_prologue, matmul_role, matmul_subgroup_lanes,
-                              prefill_matrix)
+                              o_merge_matmul, prefill_matrix)
 from model_glue.model.attention import AttentionKernels
 from model_glue.errors import ModelError
 from model_glue.model.forward import (LeavingOutEncoder, PassEncoder, ProfilingEncoder, encode_forward, forward_roles,
@@ -127,7 +127,7 @@ class LlamaModel:
 
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
-        roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names,
+        roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(o_merge_matmul(self.config.arch)) in self.kernel_names,
                               int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix,
                               normed_x_in_prologue=self.normed_x_in_prologue, arch=self.config.arch)
         wanted = [role for role in roles if role not in self.kernels]
@@ -239,11 +239,15 @@ class LlamaModel:
         attention = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
         int8_x = self.matmul_int8_x and n == 1 and run.fold_norms
         quantizer_merges = attention.split and int8_x
-        o_merges = (n == 1 and not quantizer_merges and matmul_role(Matmul.O_RESIDUAL_MERGE) in self.kernel_names
+        window = self.window_attention(n, start, attention)
+        # every layer's call split alike (a window layer's may run unsplit, the tiled nest): only then o merges
+        splits_alike = window is None or window.split
+        o_merges = (n == 1 and not quantizer_merges and splits_alike
+                    and matmul_role(o_merge_matmul(self.config.arch)) in self.kernel_names
                     and merges_in_o(self.config, self.dtype, attention, run.merge_in_o))
         matrix = n > 1 and self.runs_prefill_matrix()
         return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),
-                        window_attention=self.window_attention(n, start, attention),
+                        window_attention=window,
                         o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x,
                         down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up,
                         normed_x_in_prologue=int8_x and self.normed_x_in_prologue, matrix_matmuls=matrix,
