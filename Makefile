@@ -41,11 +41,12 @@ GEMMA_GGUF := build/model/gemma3/gemma-3-270m-q4_k_m.gguf
 GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 MODEL_ARTIFACT := static/artifacts/smollm2/manifest.json
 TINY_CHAT := static/artifacts/tiny_chat/manifest.json
+GEMMA_ARTIFACT := static/artifacts/gemma3/manifest.json
 
 # The last step checks the served tree itself (wheel registered, manifests present) rather than
 # trusting timestamps, and names whatever is missing.
 setup: apt $(VENV)/.installed static/pyodide/pyodide.mjs static/pyodide/pyodide-lock.json $(PAGE_API) \
-       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT) $(GEMMA_GGUF)
+       static/artifacts/kernels/manifest.json $(MODEL_ARTIFACT) $(TINY_CHAT) $(GEMMA_ARTIFACT)
 	@$(PY) -m app check
 
 # Debian packages: Chromium (the browser under test) and Mesa's Vulkan drivers (lavapipe, wgpu's adapter).
@@ -141,6 +142,13 @@ $(MODEL_ARTIFACT): $(GGUF) $(CONVERT) app/convert_gguf.py $(SOURCES) static/arti
                    $(VENV)/.installed
 	@echo "== model artifact: GGUF -> GPU weight layout (repacked through the runtime) + tokenizer.json"
 	$(PY) -m app convert
+
+# Gemma 3 270M as the page's second model (?model=gemma3): its GGUF through the same conversion, its
+# tokenizer the file's own (about 10 s here).
+$(GEMMA_ARTIFACT): $(GEMMA_GGUF) $(CONVERT) app/convert_gguf.py $(SOURCES) static/artifacts/kernels/manifest.json \
+                   $(VENV)/.installed
+	@echo "== Gemma 3 270M artifact: GGUF -> GPU weight layout (repacked through the runtime)"
+	$(PY) -m app convert --gguf $(GEMMA_GGUF) --out static/artifacts/gemma3
 
 # Random weights behind SmolLM2's tokenizer, for the browser tests (page URL: /?model=tiny_chat).
 $(TINY_CHAT): $(GGUF) $(CONVERT) $(VENV)/.installed

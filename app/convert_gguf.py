@@ -31,7 +31,7 @@ from model_glue.formats.gguf_file import GGUFError, file_reader, read_header
 from model_glue.formats.gguf_model import context_length, tensor_plan
 from model_glue.formats.gguf_tokenizer import tokenizer_from_gguf
 from model_glue.formats.gguf_upload import upload_gguf_tensors
-from model_glue.loading import gguf_config, runnable_kernels
+from model_glue.loading import default_dtype, gguf_config, runnable_kernels
 
 TOKENIZER_PREFIX = "tokenizer."  # the metadata keys the artifact keeps beside its weights
 
@@ -52,7 +52,7 @@ async def convert_gguf_file(device, library: KernelLibrary, gguf_path, out_dir, 
     tokenizer = {key: value for key, value in header.metadata.items() if key.startswith(TOKENIZER_PREFIX)}
     tokenizer_from_gguf(tokenizer)  # a tokenizer the runtime cannot run is refused before any upload
     config_name, config = await gguf_config(header, read)
-    runnable_kernels(library, config, "float16" if device.has_f16 else "float32", device)  # refused unless they exist
+    runnable_kernels(library, config, default_dtype(device, config), device)  # refused unless they exist
     plan = tensor_plan(header, config)
     log(f"converting {path.name}: the {config_name} shape, {config.n_layers} layers, "
         f"{sum(not p.exact for p in plan)} of {len(plan)} tensors requantized")

@@ -11,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from chat.api import SERVED_MODELS
 from contract.artifacts import MODEL_ARTIFACT_FORMAT
 
 PROJECT_PACKAGE = "sharded-decode-demo"  # the name the page passes to pyodide.loadPackage
@@ -18,8 +19,8 @@ PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_s
 PAGE_FILES = ("index.html", "main.js", "charts.js", "weights_cache.js", "export.js", "replay.js", "style.css",
               "favicon.svg", "long_document.txt")
 PAGE_API = "page_api.js"  # generated from chat/api.py (`python -m app page-api`, a make rule)
-MODELS = ("smollm2", "tiny_chat")
-MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODELS = (*SERVED_MODELS, "tiny_chat")  # tiny_chat: random weights for the page tests
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json")  # HF's; an artifact converted from a GGUF names its own
 
 
 def _read_json(path: Path, problems: list[str], fix: str):
@@ -69,7 +70,8 @@ def _check_model(folder: Path, problems: list[str]) -> None:
     if not weights.exists() or weights.stat().st_size != manifest.get("total_bytes"):
         problems.append(f"{weights} is missing or not {manifest.get('total_bytes')} bytes "
                         "(run `make setup` (python -m app convert))")
-    problems.extend(f"{folder / name} is missing (run `make setup`)" for name in MODEL_FILES
+    tokenizer = (manifest["tokenizer"],) if manifest.get("tokenizer") else MODEL_FILES
+    problems.extend(f"{folder / name} is missing (run `make setup`)" for name in tokenizer
                     if not (folder / name).exists())
 
 

@@ -75,6 +75,8 @@ GLOBAL_EVENTS = ("device-lost",)
 # Where the worker finds a test hook the page asks for (`?hooks=NAME`: HOOKS_PATH/NAME.js, relative to
 # the worker). Only the tests' and the benchmarks' servers serve it (app/server.py, app/hooks/).
 HOOKS_PATH = "hooks/"
+# The model artifacts `make setup` serves that the page offers (?model=NAME -> its name in the page).
+SERVED_MODELS = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
 
 
 def constants() -> dict:
@@ -85,7 +87,7 @@ def constants() -> dict:
     run_options = [name for name in option_kinds() if name != "max_context"]
     return {"SWITCH_AT": TILED_MAX_CONTEXT, "STOPPED_IN_PREFILL": STOPPED_IN_PREFILL,
             "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS,
-            "RUN_OPTION_NAMES": run_options}
+            "RUN_OPTION_NAMES": run_options, "SERVED_MODELS": SERVED_MODELS}
 
 
 def page_api_js() -> str:

@@ -134,6 +134,11 @@ async def gguf_config(header, read) -> tuple[str, LlamaConfig]:
     return shape_name(config), config
 
 
+def default_dtype(device, config: LlamaConfig) -> str:
+    """f16 where the adapter has shader-f16 and the family's activations fit it, else f32."""
+    return "float16" if device.has_f16 and config.arch.f16_activations else "float32"
+
+
 class _Loader:
     """What both ways in share: the checks made before any weight reaches the GPU (kernels present,
     adapter limits), then the model itself, its pipelines and its warm-up."""
@@ -142,7 +147,7 @@ class _Loader:
                  dtype: str | None, context_length: int, tensor_bytes: dict[str, int]):
         self.device, self.library, self.config_name, self.config = device, library, config_name, config
         self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
-        self.dtype = dtype or ("float16" if device.has_f16 and config.arch.f16_activations else "float32")
+        self.dtype = dtype or default_dtype(device, config)
         if self.dtype == "float16" and not device.has_f16:
             raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
         if self.dtype == "float16" and not config.arch.f16_activations:

@@ -10,7 +10,7 @@ import { exportSteps } from "./export.js";
 import { keeper } from "./gguf_keeper.js";
 import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
-import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SWITCH_AT } from "./page_api.js";
+import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SERVED_MODELS, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
 import { $, definitionList, MiB, state, URL_RUN_OPTIONS } from "./ui.js";
 import { cacheAvailable, cachedGgufs, cachedModels, clearCachedModels, GGUF_CHUNK_BYTES } from "./weights_cache.js";
@@ -24,7 +24,7 @@ const REQUESTED_CONTEXT = Number(params.get("context") || 4096);
 // GPU, behind SmolLM2's tokenizer: the shape's real speed with nothing to download.
 const MODEL = params.get("model") || "smollm2";
 const SYNTHETIC_SHAPE = MODEL.startsWith("synthetic:") ? MODEL.slice("synthetic:".length) : null;
-const MODEL_LABEL = MODEL === "smollm2" ? "SmolLM2-135M"
+const MODEL_LABEL = SERVED_MODELS[MODEL] ? SERVED_MODELS[MODEL]
   : SYNTHETIC_SHAPE ? `${SYNTHETIC_SHAPE} shape (random weights filled on the GPU; the text is noise)`
   : MODEL;  // an artifact: its manifest says what it was made from (artifactLabel)
 // The model's name in the header and the title, the status line and the exports: an artifact by its
@@ -47,6 +47,21 @@ function showConstants() {
   $("lab-iters").max = LAB_MAX_ITERS;
 }
 showConstants();
+
+// The served models as links (this page's URL with ?model=NAME); the one running is not a link.
+function showServedModels() {
+  const list = $("served-models");
+  for (const [name, label] of Object.entries(SERVED_MODELS)) {
+    if (list.childElementCount) list.append(" · ");
+    const query = new URLSearchParams(location.search);
+    query.set("model", name);
+    const item = document.createElement(name === MODEL ? "strong" : "a");
+    if (name !== MODEL) item.href = `?${query}`;
+    item.textContent = label;
+    list.append(item);
+  }
+}
+showServedModels();
 if (URL_RUN_OPTIONS.attention) $("attention").value = URL_RUN_OPTIONS.attention;  // ?attention=tiled
 
 // The model this page runs, named everywhere the page says what it runs (state.model: the exports'
@@ -112,7 +127,7 @@ async function openSession(python) {
 // What an artifact was made from, as its manifest says: a GGUF (the served SmolLM2, or any file
 // `python -m app convert --gguf` converted) or random weights (`convert --random`).
 function artifactLabel(manifest) {
-  if (MODEL === "smollm2") return MODEL_LABEL;
+  if (SERVED_MODELS[MODEL]) return MODEL_LABEL;
   const source = manifest.source || {};
   return source.file ? `${MODEL} (converted from ${source.file})`
     : source.random_seed !== undefined ? `${MODEL} (random weights)` : MODEL;

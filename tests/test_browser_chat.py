@@ -42,13 +42,18 @@ def send(tab, text, max_tokens):
 
 
 def test_the_page_names_the_artifact_it_runs(chat_page):
-    """The header, the title and the status line name the artifact, as its manifest says (random weights)."""
+    """The header, the title and the status line name the artifact, as its manifest says (random weights);
+    the served models are offered as links."""
     tab = chat_page
     assert tab.inner_text("header h1") == "tiny_chat (random weights) in your browser"
     assert tab.title().startswith("tiny_chat (random weights) on WebGPU")
     assert tab.inner_text("#status-summary").startswith("ready: tiny_chat (random weights), chatml chat template")
     assert tab.evaluate("window.demoState.model") == {"name": "tiny_chat (random weights)", "kind": "artifact",
                                                       "artifact": "tiny_chat", "shape": "tiny_chat", "layers": 2}
+    # the served models, each a link to this page with ?model=NAME (tiny_chat is the tests')
+    links = tab.evaluate("[...document.querySelectorAll('#served-models a')].map(a => "
+                         "[a.textContent, new URL(a.href).searchParams.get('model')])")
+    assert links == [["SmolLM2-135M", "smollm2"], ["Gemma 3 270M", "gemma3"]]
 
 
 def test_chat_turn_streams_with_overlay_and_stays_offline(chat_page):

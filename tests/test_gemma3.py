@@ -76,6 +76,23 @@ def test_gemma3_greedy_ids_equal_the_float64_models(loop, gpu, library, referenc
     assert opened.tokenizer.decode(out).startswith(" red, blue, and yellow.")
 
 
+def test_the_served_gemma3_artifact_continues_as_the_file(loop, gpu, library, reference_run):
+    """The page's ?model=gemma3 (`make setup` converts the file through the runtime): the file's
+    tokenizer kept beside the weights, the float64 model's first three tokens."""
+    from model_glue.gpu.artifact import folder_readers
+    from model_glue.sources import Artifact
+    from test_setup import STATIC
+
+    _, ids, want, _ = reference_run
+    opened = loop.run_until_complete(open_model(gpu, library, Artifact(folder_readers(STATIC / "artifacts" / "gemma3")),
+                                                dtype="float32"))
+    assert opened.tokenizer.encode(PROMPT) == ids[1:]
+    out = [loop.run_until_complete(opened.model.forward(ids))]
+    while len(out) < 3:
+        out.append(loop.run_until_complete(opened.model.forward([out[-1]])))
+    assert out == want[:3]
+
+
 @pytest.mark.slow
 def test_gemma3_nests_agree_past_the_window(loop, gpu, library):
     """600 tokens of the long document, then 8 greedy tokens through the tiled nest and through the
