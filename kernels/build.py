@@ -17,6 +17,7 @@ from tvm import tirx
 
 from kernels.abi import (BINDING_RE, kernel_spec, pod_struct_fields, wgsl_features, workgroup_storage_bytes,
                          workgroup_variables)
+from kernels.build_attrs import KEEP_WORKGROUP_BUFFERS_APART
 from kernels.wgsl import MATRIX_ALIGN_BYTES, WgslKernel
 from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, BufferSpec, KernelSpec
 from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
@@ -24,10 +25,6 @@ from contract.kernels import MAX_INVOCATIONS, WORKGROUP_STORAGE_BYTES
 _tir_build = importlib.import_module("tvm.tirx.build")  # the module; tvm.tirx.build is the function
 
 WEBGPU_TARGET = tvm.target.Target("webgpu", host="llvm")
-# A PrimFunc attribute: TVM's storage rewrite must not let one workgroup buffer reuse another's storage.
-# It does so whatever their types, which WGSL cannot express: a kernel whose workgroup buffers of
-# different types live one after the other sets it (the decode matmuls' quantizes_x prologue).
-KEEP_WORKGROUP_BUFFERS_APART = "project.keep_workgroup_buffers_apart"
 # The same with WebGPU's subgroup operations (T.webgpu.subgroup_shuffle*): the WGSL then starts with
 # `enable subgroups;` and needs a device with the `subgroups` feature.
 WEBGPU_SUBGROUPS_TARGET = tvm.target.Target({"kind": "webgpu", "supports_subgroups": True, "host": "llvm"})
@@ -151,19 +148,17 @@ def _build_recipe(recipe):
     return built
 
 
-def build_artifact(out_dir, *, jobs: int = 2, recipes=None, log=print) -> dict:
-    """Build `recipes` (default: the served artifact, kernels.catalog.all_recipes) into `out_dir`
-    (WGSL files + manifest.json)."""
+def build_artifact(out_dir, recipes, *, jobs: int = 2, log=print) -> dict:
+    """Build `recipes` (e.g. kernels.catalog.all_recipes(), the served artifact) into `out_dir` (WGSL
+    files + manifest.json). The caller passes them: the catalog imports every kernel module, so the
+    build importing it would close an import cycle."""
     import json
     import os
     from concurrent.futures import ProcessPoolExecutor
     from pathlib import Path
 
-    from kernels.catalog import all_recipes
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    recipes = all_recipes() if recipes is None else recipes
     started = time.perf_counter()
     log(f"building {len(recipes)} kernels with apache-tvm {tvm.__version__} ({jobs} processes)")
     if jobs > 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from contract.kernels import MatmulSpec
-from kernels.build import KEEP_WORKGROUP_BUFFERS_APART
+from kernels.build_attrs import KEEP_WORKGROUP_BUFFERS_APART
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_int8_chunk, load_weight_chunk, quantize_x_prologue,
                                           reduce_lanes)

@@ -49,8 +49,9 @@ def artifact_dir() -> Path:
     """The kernel artifact `make` builds; built here if a test run starts without it."""
     if not (ARTIFACT / "manifest.json").exists():
         from kernels.build import build_artifact
+        from kernels.catalog import all_recipes
 
-        build_artifact(ARTIFACT)
+        build_artifact(ARTIFACT, all_recipes())
     return ARTIFACT
 
 

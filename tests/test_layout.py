@@ -64,6 +64,41 @@ def test_nothing_imports_the_cli():
         assert not {m for m in imported_modules(path) if in_packages(m, ("app",))}, path
 
 
+def kernel_module_imports(path: Path, names: set[str]) -> set[str]:
+    """The kernels/ modules (of `names`) that `path` imports anywhere, a function's body included;
+    `from kernels import x` counts as importing kernels.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(m.split(".")[1] for m in modules if m.startswith("kernels.") and m.split(".")[1] in names)
+    return found - {path.stem}
+
+
+def test_kernels_import_no_cycle():
+    """No kernels/ module reaches itself through imports (a deferred import too): a cycle made the
+    kernel builders' import order matter (kernels.build imported the catalog, whose builders imported
+    kernels.build)."""
+    paths = {p.stem: p for p in (ROOT / "kernels").glob("*.py")}
+    imports = {name: kernel_module_imports(path, set(paths)) for name, path in paths.items()}
+    on_cycles = []
+    for start in sorted(imports):
+        reached, todo = set(), list(imports[start])
+        while todo:
+            module = todo.pop()
+            if module not in reached:
+                reached.add(module)
+                todo.extend(imports[module])
+        if start in reached:
+            on_cycles.append(start)
+    assert not on_cycles, f"kernels/ modules on an import cycle: {on_cycles} (imports: " \
+        f"{ {m: sorted(imports[m]) for m in on_cycles} })"
+
+
 def test_the_wheel_holds_only_the_run_side():
     """The browser downloads what runs there: the contract, the runtime and the chat, no build side,
     no CLI, no benchmarks, no tests (`make` builds the wheel from pyproject.toml's packages)."""
