@@ -59,7 +59,7 @@ class CheckInputs:
     def __init__(self, spec, n: int, dtype: str, rng: random.Random):
         self.spec, self.n, self.dtype = spec, n, dtype
         k, rows = spec.in_features, CHECK_ROWS
-        self.columns = rows // 2 if spec.swiglu else rows
+        self.columns = rows if spec.glu is None else rows // 2
         self.x = random_values(n * k, dtype, rng)
         self.words = rng.randbytes(rows * k // 2)
         self.scale = array("f", [rng.uniform(0.005, 0.03) for _ in range(rows * k // 32)])
@@ -93,7 +93,7 @@ class CheckInputs:
 
         def dot(r):
             return math.fsum(a * b for a, b in zip(x, self._row(r)))
-        if spec.swiglu:
+        if spec.glu is not None:
             gate, up = dot(c), dot(self.columns + c)
             return gate / (1 + math.exp(-gate)) * up
         y = dot(c)

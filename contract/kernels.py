@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
 
-from contract.family import Family
+from contract.family import ACTIVATIONS, Family
 from contract.model import (DTYPE_TAGS, WEIGHT_FORMATS, AttentionShape, LlamaConfig, embed_scale, layer_matrices,
                             matrix_format)
 
@@ -176,13 +176,13 @@ GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}  # a gated FFN's fold in a 
 class MatmulSpec:
     """y = x @ W^T with W quantized ("q4": Q4_1, a scale and a min per block of 32; "q8": Q8_0, a
     scale; "q8a": signed bytes, a scale and a min per 16: contract.model), and what is folded into
-    it: the RMSNorm before it (`norm_eps`; its weight is `norm`), the SwiGLU after it (W holds the
-    gate rows, then the up rows), a residual add (`resid`).
+    it: the RMSNorm before it (`norm_eps`; its weight is `norm`), the gated FFN's activation after it
+    (`glu`: W holds the gate rows, then the up rows), a residual add (`resid`).
     Decode passes run kernels.decode_matmul.quantized_matmul (one token); prefill passes (`tiled`) run
     kernels.prefill_matmul (tiles of tokens x weight rows; q4 or q8a).
 
     The kernel (`name`) is compiled for in_features, the folds, the dtypes and rows_per_thread (and the
-    decode SwiGLU's rows, `compiled_rows`); out_features, norm_eps and the RoPE epilogue's heads, base
+    decode gated matmul's rows, `compiled_rows`); out_features, norm_eps and the RoPE epilogue's heads, base
     and scaling are runtime values (`values`), so the builders read them from the kernel's PODArgs,
     never from the spec."""
 
@@ -192,8 +192,9 @@ class MatmulSpec:
     weights: str = "q4"
     residual: bool = False
     norm_eps: float | None = None
-    swiglu: bool = False
-    activation: str = "silu"  # the gate's with `swiglu`: "silu" (SwiGLU) or "gelu_tanh" (GeGLU; contract.family)
+    # The gated FFN folded in, by the gate's activation (contract.family.ACTIVATIONS): "silu" (SwiGLU),
+    # "gelu_tanh" (GeGLU), or None: no gate. One key, so no spec has an activation without the gate.
+    glu: str | None = None
     out_dtype: str | None = None  # y's dtype (default: dtype); the head writes f32 logits
     tiled: bool = False
     rope_append: RopeAppend | None = None  # instead of y: q, and K/V into the pages (decode only)
@@ -227,6 +228,8 @@ class MatmulSpec:
     matrix: bool = False
 
     def __post_init__(self):
+        if self.glu is not None and self.glu not in ACTIVATIONS:  # each is a branch of kernels.llama_common.gated
+            raise ValueError(f"glu is one of {ACTIVATIONS} or None, not {self.glu!r}")
         if self.subgroup_lanes is not None and (self.tiled or self.subgroup_lanes not in MATMUL_SUBGROUP_LANES):
             raise ValueError(f"subgroup_lanes is one of {MATMUL_SUBGROUP_LANES} for a decode matmul, "
                              f"not {self.subgroup_lanes}")
@@ -266,7 +269,7 @@ class MatmulSpec:
     def name(self) -> str:
         """The artifact name: every compile-time choice, nothing that is a runtime value."""
         folds = "".join(f"_{fold}" for fold, on in (
-            ("norm", self.norm_eps is not None), (GLU_NAMES[self.activation], self.swiglu), ("resid", self.residual),
+            ("norm", self.norm_eps is not None), (GLU_NAMES.get(self.glu), self.glu is not None), ("resid", self.residual),
             (f"rope_{rope_tag(self.rope_append.head_dim, self.rope_append.scaling)}" if self.rope_append else "",
              self.rope_append is not None),
             (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
@@ -284,10 +287,10 @@ class MatmulSpec:
 
     @property
     def compiled_rows(self) -> int | None:
-        """W's rows where the kernel is compiled for them: the decode SwiGLU matmul, whose up rows
+        """W's rows where the kernel is compiled for them: the decode gated (`glu`) matmul, whose up rows
         start out_features / 2 rows on (a runtime offset there cost the 8B shape's decode step 1% on
         the H200: docs/benchmarks.md); None where out_features is a runtime value."""
-        return self.out_features if self.swiglu and not self.tiled else None
+        return self.out_features if self.glu is not None and not self.tiled else None
 
     @property
     def prologue_fits(self) -> bool:
@@ -313,10 +316,10 @@ class MatmulSpec:
         if self.matrix:  # its tiles guard their last columns
             columns = 1
         elif self.tiled:
-            columns = PREFILL_TILE_ROWS // (2 if self.swiglu else 1)
+            columns = PREFILL_TILE_ROWS // (1 if self.glu is None else 2)
         else:
             columns = self.columns_per_group
-        width = self.out_features // 2 if self.swiglu else self.out_features
+        width = self.out_features if self.glu is None else self.out_features // 2
         if width % columns or self.in_features % 32:
             return (f"a {self.out_features} x {self.in_features} matmul needs rows in multiples of {columns} "
                     "and columns in multiples of 32")
@@ -325,27 +328,27 @@ class MatmulSpec:
     @property
     def rows_per_thread(self) -> int:
         """Weight rows per thread of the decode matmul: each loaded x (and norm weight) serves this
-        many, but more rows a thread leave fewer workgroups to fill the GPU. With SwiGLU a thread
+        many, but more rows a thread leave fewer workgroups to fill the GPU. With `glu` a thread
         takes the gate and the up row of each of its columns, so at least two. The thresholds below
         were measured on the H200 (docs/benchmarks.md, "rows a thread")."""
         def leaves(rows: int, minimum: int) -> bool:  # rows a thread leave at least `minimum` workgroups
-            columns = MATMUL_ROWS * rows // (2 if self.swiglu else 1)
-            width = self.out_features // 2 if self.swiglu else self.out_features
+            columns = MATMUL_ROWS * rows // (1 if self.glu is None else 2)
+            width = self.out_features if self.glu is None else self.out_features // 2
             return width % columns == 0 and width // columns >= minimum
 
         if leaves(4, QUAD_MIN_WORKGROUPS):
             return 4
-        return 2 if self.swiglu or leaves(2, PAIRED_MIN_WORKGROUPS) else 1
+        return 2 if self.glu is not None or leaves(2, PAIRED_MIN_WORKGROUPS) else 1
 
     @property
     def columns_per_group(self) -> int:
         """Output columns (of y) one decode workgroup computes."""
-        return MATMUL_ROWS * self.rows_per_thread // (2 if self.swiglu else 1)
+        return MATMUL_ROWS * self.rows_per_thread // (1 if self.glu is None else 2)
 
     @property
     def workgroups(self) -> int:
         """Decode workgroups: one per columns_per_group columns of y."""
-        return (self.out_features // 2 if self.swiglu else self.out_features) // self.columns_per_group
+        return (self.out_features if self.glu is None else self.out_features // 2) // self.columns_per_group
 
     @property
     def args(self) -> tuple:
@@ -537,7 +540,7 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     head = head_spec(c, dtype)
     embed = matrix_format(c, "embed")
     arch = c.arch
-    glu = GLU_NAMES[arch.ffn_activation]
+    glu_name = GLU_NAMES[arch.ffn_activation]
     roles = {
         Role.EMBED: KernelRole("embedding_q8", (c.dim, dtype, embed), ("ids", "w", "scale") + ("wmin",) * (embed == "q8a")
                                + ("out",), f"embed_{embed}_d{c.dim}_{tag}", {"vocab": c.vocab_size,
@@ -546,7 +549,7 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
         Role.RMS_NORM: KernelRole("rms_norm", (c.dim, dtype), ("x", "weight", "out"), f"rms_norm_d{c.dim}_{tag}",
                                {"eps": c.rms_eps}),
         Role.ROPE_APPEND: rope_append_role(c, dtype),
-        Role.SWIGLU: KernelRole("swiglu", (dtype, arch.ffn_activation), ("gate_up", "h"), f"{glu}_{tag}",
+        Role.SWIGLU: KernelRole("swiglu", (dtype, arch.ffn_activation), ("gate_up", "h"), f"{glu_name}_{tag}",
                                 {"ffn_dim": c.ffn_dim}),
         # the head: the tied embedding (q8), f32 logits for the sampler and each workgroup's best
         # (value, index) for the argmax
@@ -573,8 +576,8 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
         for matmul, weight in matmuls.items():
             roles[matmul_role(matmul, prefill=prefill)] = MatmulSpec(
                 *weights[weight], dtype, matrix_format(c, weight), residual=matmul.endswith("_residual"),
-                norm_eps=c.rms_eps if matmul.startswith("norm_") else None, swiglu=matmul.endswith("_swiglu"),
-                activation=arch.ffn_activation, tiled=prefill)
+                norm_eps=c.rms_eps if matmul.startswith("norm_") else None,
+                glu=arch.ffn_activation if matmul.endswith("_swiglu") else None, tiled=prefill)
         if prefill:
             for matmul in matmuls:
                 roles[matmul_role(matmul, prefill=True, short=True)] = replace(

@@ -43,9 +43,8 @@ class Geometry:
     weights: str  # "q4", "q8" or "q8a" (contract.model)
     rows_per_thread: int
     columns_per_group: int  # y's columns a workgroup
-    compiled_rows: int | None  # W's rows where compiled in (the SwiGLU's up rows' offset), else None
-    swiglu: bool  # W holds the gate rows, then the up rows
-    activation: str  # the gate's (kernels.llama_common.gated)
+    compiled_rows: int | None  # W's rows where compiled in (the gated FFN's up rows' offset), else None
+    glu: str | None  # the gate's activation (kernels.llama_common.gated): W holds the gate rows, then the up rows
     normed: bool  # the RMSNorm before the matmul is folded in
     subgroup_lanes: int  # the lanes whose partials meet by subgroup shuffles (1: none)
 
@@ -53,7 +52,7 @@ class Geometry:
     def of(cls, spec: MatmulSpec) -> Geometry:
         assert not spec.tiled and spec.in_features % BLOCK == 0
         g = cls(spec.in_features, spec.dtype, spec.out_dtype or spec.dtype, spec.weights, spec.rows_per_thread,
-                spec.columns_per_group, spec.compiled_rows, spec.swiglu, spec.activation, spec.norm_eps is not None,
+                spec.columns_per_group, spec.compiled_rows, spec.glu, spec.norm_eps is not None,
                 spec.subgroup_lanes or 1)
         assert g.words % g.words_per_load == 0 and g.block % g.chunk_values == 0  # a chunk within one block
         assert g.subgroup_lanes == 1 << g.shuffle_steps and LANES % g.subgroup_lanes == 0
@@ -105,8 +104,8 @@ class Geometry:
         return (trips + TRIP_UNROLL - 1) // TRIP_UNROLL
 
     @property
-    def columns_per_thread(self) -> int:  # with SwiGLU a column takes two rows (gate, up)
-        return self.rows_per_thread // 2 if self.swiglu else self.rows_per_thread
+    def columns_per_thread(self) -> int:  # with a gate (glu) a column takes two rows (gate, up)
+        return self.rows_per_thread if self.glu is None else self.rows_per_thread // 2
 
     @property
     def dots(self) -> int:  # the lanes' partial dots in workgroup memory (row 0's x^2 sums follow)
@@ -130,19 +129,19 @@ class Geometry:
 
     def out_columns(self, out_features):
         """y's width."""
-        return self.w_rows(out_features) // 2 if self.swiglu else out_features
+        return out_features if self.glu is None else self.w_rows(out_features) // 2
 
     def weight_row(self, rb, r, q, width):
         """W's row of thread r's q-th row in workgroup rb. Its columns (of y, `width` wide) are
-        rb * columns_per_group + c * ROWS + r; with SwiGLU q = 2c is column c's gate row and
+        rb * columns_per_group + c * ROWS + r; with a gate (glu) q = 2c is column c's gate row and
         q = 2c + 1 its up row, `width` rows further on."""
-        if self.swiglu:
+        if self.glu is not None:
             return (q % 2) * width + rb * self.columns_per_group + (q // 2) * ROWS + r
         return rb * self.columns_per_group + q * ROWS + r
 
     def dot_row(self, c):
         """The row (q) whose dot makes column c of a thread."""
-        return 2 * c if self.swiglu else c
+        return c if self.glu is None else 2 * c
 
 
 def lane_partial(q, row, j, lane):
@@ -329,9 +328,9 @@ def reduce_lanes(g, acc, squares, partial, r, lane):
 @T.macro
 def column_value(g, total, partial, p, r, lane, eps, rope_pair):
     """total[0] = the value of this thread's column p for token `lane` (the epilogue's thread of token
-    j is lane j): its row's dot, times inv_rms (normed), gated by the up row's (SwiGLU: silu(gate) *
-    up). total[2] holds the up row's dot, or with `rope_pair` the dot of the pair's other column
-    (thread r ^ 1's: a RoPE pair never crosses a workgroup's 8-column groups), normed alike."""
+    j is lane j): its row's dot, times inv_rms (normed), gated by the up row's (glu: act(gate) * up).
+    total[2] holds the up row's dot, or with `rope_pair` the dot of the pair's other column (thread
+    r ^ 1's: a RoPE pair never crosses a workgroup's 8-column groups), normed alike."""
     total[0] = T.float32(0)
     total[1] = T.float32(0)
     total[2] = T.float32(0)
@@ -340,7 +339,7 @@ def column_value(g, total, partial, p, r, lane, eps, rope_pair):
         total[0] = total[0] + partial[lane_partial(g.dot_row(p), r, lane, l)]
         if g.normed:
             total[1] = total[1] + partial[g.dots + lane * LANES + l]
-        if g.swiglu:
+        if g.glu is not None:
             total[2] = total[2] + partial[lane_partial(g.dot_row(p) + 1, r, lane, l)]
         if rope_pair:
             total[2] = total[2] + partial[lane_partial(p, T.bitwise_xor(r, 1), lane, l)]
@@ -348,5 +347,5 @@ def column_value(g, total, partial, p, r, lane, eps, rope_pair):
         inv_rms: T.let[T.float32] = T.rsqrt(total[1] / T.float32(g.in_features) + eps)
         total[0] = total[0] * inv_rms
         total[2] = total[2] * inv_rms
-    if g.swiglu:
-        total[0] = gated(total[0], total[2], g.activation)
+    if g.glu is not None:
+        total[0] = gated(total[0], total[2], g.glu)

@@ -34,8 +34,8 @@ def merge_x(g, head_dim, partial, partial_o, partial_stats, num_splits, tok0, r,
 
 def float_x_matmul(spec: MatmulSpec):
     """y[n, out] = x[n, in] @ W^T (+ resid) with x in `dtype` (or merged: spec.split_head_dim), W q4,
-    q8 or q8a; spec.norm_eps folds the RMSNorm before it, spec.swiglu the SwiGLU after it (W's gate rows,
-    then its up rows: y[n, F] = silu(x @ Wg^T) * (x @ Wu^T))."""
+    q8 or q8a; spec.norm_eps folds the RMSNorm before it, spec.glu the gated FFN after it (W's gate rows,
+    then its up rows: y[n, F] = act(x @ Wg^T) * (x @ Wu^T), act spec.glu's: SiLU or GELU-tanh)."""
     check_folds(spec, "float-x", int8_x=spec.int8_x, rope_append=spec.rope_append is not None,
                 argmax_partials=spec.argmax_partials, quantizes_y=spec.quantizes_y)
     g = Geometry.of(spec)
@@ -51,7 +51,7 @@ def float_x_matmul(spec: MatmulSpec):
                scale_h: T.handle, min_h: T.handle, resid_h: T.handle, y_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
-        out_features = T.int32()  # W's rows (gate and up rows with swiglu)
+        out_features = T.int32()  # W's rows (gate and up rows with glu)
         num_splits = T.int32()
         x = T.match_buffer(x_h, (n, in_features // 4), f"{dtype}x4")  # same bytes as [n, in]
         partial_o = T.match_buffer(partial_o_h, (n, MH, num_splits, M_CHUNKS), "float32x4")
@@ -82,7 +82,7 @@ def float_x_matmul(spec: MatmulSpec):
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             xv4 = T.sblock_alloc_buffer((g.x_vecs,), "float32x4", scope="local")  # the chunk's x
                             nq = T.sblock_alloc_buffer((g.x_vecs,), "float32x4", scope="local")  # its norm weights
-                            # total: 0 a column's dot, 1 sum of x^2, 2 the up row's dot (swiglu)
+                            # total: 0 a column's dot, 1 sum of x^2, 2 the up row's dot (glu)
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
                             # merges: the merge's state (max, denominator; O)
                             stat = T.sblock_alloc_buffer((2,), "float32", scope="local")

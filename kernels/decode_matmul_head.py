@@ -43,7 +43,7 @@ def head_matmul(spec: MatmulSpec):
     folding the RMSNorm in; each workgroup also writes best[workgroup] (spec.argmax_partials). W's
     rows are the vocabulary's from `row_base` on (one slice of it), y's columns and best's workgroups
     the whole vocabulary's."""
-    check_folds(spec, "head", swiglu=spec.swiglu, residual=spec.residual, int8_x=spec.int8_x,
+    check_folds(spec, "head", glu=spec.glu is not None, residual=spec.residual, int8_x=spec.int8_x,
                 split_head_dim=spec.split_head_dim is not None, rope_append=spec.rope_append is not None,
                 quantizes_y=spec.quantizes_y)
     g = Geometry.of(spec)

@@ -49,7 +49,7 @@ def int8_x_matmul(spec: MatmulSpec):
     """y[n, out] = x[n, in] @ W^T (+ resid) with W q4 or q8a and x as int8 codes with per-chunk stats (xq,
     xstats), or (spec.quantizes_x) x and the norm's weight, made into them by the prologue;
     spec.norm_eps scales each column by inv_rms from the chunks' sum x^2 (the quantizer or the
-    prologue applied the norm's weight), spec.swiglu as in kernels.decode_matmul_float. With
+    prologue applied the norm's weight), spec.glu as in kernels.decode_matmul_float. With
     spec.quantizes_y (a workgroup's columns are one XQ_CHUNK of y) the epilogue also writes y's codes
     and stats (yq, ystats): the next matmul's quantize dispatch, folded in behind one barrier."""
     check_folds(spec, "int8-x", split_head_dim=spec.split_head_dim is not None,
@@ -68,7 +68,7 @@ def int8_x_matmul(spec: MatmulSpec):
                ystats_h: T.handle, eps: T.float32):
         T.func_attr({"tirx.is_scheduled": True})
         n = T.int32()
-        out_features = T.int32()  # W's rows (gate and up rows with swiglu)
+        out_features = T.int32()  # W's rows (gate and up rows with glu)
         x = T.match_buffer(x_h, (n, in_features // 4), f"{g.dtype}x4")  # quantizes_x: x, same bytes as [n, in]
         norm = T.match_buffer(norm_h, (in_features // 4,), "float32x4")  # and the norm's weight
         xq = T.match_buffer(xq_h, (n, g.chunks), "uint32x4")  # a chunk's codes (kernels.quantize_x)
@@ -106,7 +106,7 @@ def int8_x_matmul(spec: MatmulSpec):
                             wm = T.sblock_alloc_buffer((g.rows_per_thread,), "float32", scope="local")
                             xw = T.sblock_alloc_buffer((1,), "uint32x4", scope="local")  # the chunk's codes
                             xst = T.sblock_alloc_buffer((1,), "float32x4", scope="local")  # and stats
-                            # total: 0 a column's dot, 1 sum of x^2, 2 the up row's dot (swiglu)
+                            # total: 0 a column's dot, 1 sum of x^2, 2 the up row's dot (glu)
                             total = T.sblock_alloc_buffer((4,), "float32", scope="local")
                             code = T.sblock_alloc_buffer((2,), "int32", scope="local")  # quantizes_y: word, sum
                             tok0: T.let[T.int32] = tb * TOKENS

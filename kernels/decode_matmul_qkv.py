@@ -48,7 +48,7 @@ def qkv_rope_matmul(spec: MatmulSpec):
     int8 codes (spec.int8_x: read, or made by the prologue where spec.quantizes_x), then each q and k
     column rotated with its pair's other column and q, k, v stored (spec.rope_append: head_dim and
     scaling compiled in, heads and base runtime values)."""
-    check_folds(spec, "qkv", swiglu=spec.swiglu, residual=spec.residual,
+    check_folds(spec, "qkv", glu=spec.glu is not None, residual=spec.residual,
                 split_head_dim=spec.split_head_dim is not None, argmax_partials=spec.argmax_partials,
                 quantizes_y=spec.quantizes_y)
     g = Geometry.of(spec)

@@ -2,7 +2,7 @@
 
 y[n, out] = x[n, in] @ W^T (+ resid), W q4 or q8a (contract.model, kernels.llama_common), with the same
 folds as the decode matmul (kernels.decode_matmul.quantized_matmul): the RMSNorm before it (`norm_eps`) and
-the SwiGLU after it (`swiglu`). The decode step keeps the one-token kernel; this one serves chunks
+the gated FFN's activation after it (`glu`). The decode step keeps the one-token kernel; this one serves chunks
 of many tokens, where each weight should be read once per TOKENS tokens, not once per 8.
 
     grid (OUT_COLUMNS / COLUMNS_PER_TILE, ceil(n / TOKENS)), TOKENS = MatmulSpec.token_tile (128, or 32
@@ -13,7 +13,7 @@ of many tokens, where each weight should be read once per TOKENS tokens, not onc
 Per K_STEP columns of `in`, the workgroup stages x's TOKENS x K_STEP values and W's ROWS x K_STEP
 dequantized weights in workgroup memory, both as f32x4 along the dimension a thread reads four of
 (x_tile[k][token quad], w_tile[k][row quad]); a thread then does 8 vector FMAs (4 tokens x 8 rows)
-per 3 vector loads. A thread's rows are 4 rq .. 4 rq + 3 and 32 + 4 rq .. so that with `swiglu`
+per 3 vector loads. A thread's rows are 4 rq .. 4 rq + 3 and 32 + 4 rq .. so that with `glu`
 (tile rows 0-31 are gate rows, 32-63 the up rows of the same 32 columns) each thread holds both
 halves of its outputs. Weights are dequantized (and scaled by the norm's weight) once per tile.
 
@@ -52,8 +52,8 @@ def quantized_matmul_tiled(spec: MatmulSpec):
     TOKEN_QUADS = TOKENS // VEC
     THREADS = TOKEN_QUADS * HALF_QUADS
     X_TASKS = TOKEN_QUADS * (K_STEP // VEC)  # (token quad, k quad) loads of the x tile
-    residual, normed, swiglu = spec.residual, spec.norm_eps is not None, spec.swiglu
-    COLUMNS_PER_TILE = ROWS // 2 if swiglu else ROWS
+    residual, normed, has_gate = spec.residual, spec.norm_eps is not None, spec.glu is not None
+    COLUMNS_PER_TILE = ROWS // 2 if has_gate else ROWS
     STEPS = in_features // K_STEP
     q8a = spec.weights == "q8a"
     PER_WORD = 4 if q8a else 8  # weights a packed word
@@ -64,11 +64,11 @@ def quantized_matmul_tiled(spec: MatmulSpec):
     assert in_features % BLOCK == 0 and X_TASKS + W_TASKS <= THREADS
 
     def out_columns(out_features):  # y's width
-        return out_features // 2 if swiglu else out_features
+        return out_features // 2 if has_gate else out_features
 
     def weight_row(tile, local_row, OUT_COLUMNS):
-        """The W row of a tile row: with swiglu, rows 0-31 are gate rows and 32-63 the up rows."""
-        if swiglu:
+        """The W row of a tile row: with a gate (glu), rows 0-31 are gate rows and 32-63 the up rows."""
+        if has_gate:
             return T.if_then_else(local_row < COLUMNS_PER_TILE, tile * COLUMNS_PER_TILE + local_row,
                                   OUT_COLUMNS + tile * COLUMNS_PER_TILE + local_row - COLUMNS_PER_TILE)
         return tile * ROWS + local_row
@@ -165,9 +165,9 @@ def quantized_matmul_tiled(spec: MatmulSpec):
                                                                     + eps) if normed else T.float32(1)
                                 result[0] = acc[i * 2] * T.Broadcast(inv_rms, VEC)
                                 result[1] = acc[i * 2 + 1] * T.Broadcast(inv_rms, VEC)
-                                if swiglu:  # gate columns in result[0], their up rows in result[1]
+                                if has_gate:  # gate columns in result[0], their up rows in result[1]
                                     y[token, tile * (COLUMNS_PER_TILE // VEC) + rq] = T.Cast(
-                                        VEC_DTYPE, gated(result[0], result[1], spec.activation, VEC))
+                                        VEC_DTYPE, gated(result[0], result[1], spec.glu, VEC))
                                 else:
                                     for h in T.unroll(2):
                                         quad: T.let[T.int32] = tile * ROW_QUADS + h * HALF_QUADS + rq

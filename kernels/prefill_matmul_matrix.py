@@ -1,14 +1,14 @@
 """The prefill pass's matmul on subgroup matrices (the tensor cores), written as WGSL.
 
 y[n, out] = x[n, in] @ W^T (+ resid), W q4 or q8a (contract.model, kernels.llama_common), with the folds
-of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the SwiGLU
-after it (`swiglu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
+of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the gated FFN's
+activation after it (`glu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
 
 Written as WGSL (kernels.wgsl says why), under the same contract as the TVM-built kernels:
 `matrix_matmul(spec)` returns the WGSL and its ABI, checked by the build before it enters the manifest.
 
     grid (column tiles, ceil(n / TOKENS)); 128 invocations = 4 subgroups of 32
-    a tile: TOKENS tokens x 128 weight rows (with swiglu: 64 gate rows, then the up rows of the same
+    a tile: TOKENS tokens x 128 weight rows (with glu: 64 gate rows, then the up rows of the same
     64 columns); subgroup s computes tokens sm * TOKENS / SUBGROUPS_M .. and rows sn * 128 / SUBGROUPS_N ..
     as FRAGS_M x FRAGS_N 16 x 16 fragments (sm, sn = s % SUBGROUPS_M, s / SUBGROUPS_M)
 
@@ -42,7 +42,7 @@ TILE_LAYOUTS = {128: (2, 2, 4, 4), 32: (1, 4, 2, 2)}
 
 def column_tile(spec: MatmulSpec) -> int:
     """Columns of y a workgroup writes."""
-    return ROWS // 2 if spec.swiglu else ROWS
+    return ROWS if spec.glu is None else ROWS // 2
 
 
 def dequantize_w(q8a: bool) -> list[str]:
@@ -76,7 +76,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     assert sub_m * sub_n * SUBGROUP == THREADS and sub_n * frags_n * FRAG == ROWS
     assert sub_m * frags_m * FRAG == tokens and tokens % EPILOGUE_TOKENS == 0
     name = spec.name
-    normed, swiglu, residual = spec.norm_eps is not None, spec.swiglu, spec.residual
+    normed, has_gate, residual = spec.norm_eps is not None, spec.glu is not None, spec.residual
     steps, x_row_vecs = spec.in_features // K_STEP, spec.in_features // 8  # x rows in vec4<u32> (8 halves)
     x_loads = tokens * X_WORDS // THREADS  # vec4<u32> loads of x per thread per step
     sub_tokens = frags_m * FRAG  # a subgroup's tokens
@@ -93,7 +93,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     buffers += [("y", "read_write", "float16", "f16")]
     assert tuple(b[0] for b in buffers) == spec.buffers, (buffers, spec.buffers)
     pod = (("n", "i32"), ("out_features", "i32")) + ((("eps", "f32"),) if normed else ())
-    width = ["//", "out_features", 2] if swiglu else "out_features"
+    width = ["//", "out_features", 2] if has_gate else "out_features"
     grid = (["//", ["+", width, columns - 1], columns], ["//", ["+", "n", tokens - 1], tokens])
 
     lines = matrix_header(buffers, pod)
@@ -122,7 +122,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                   f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter;",
                   f"  var x_raw{i} : vec4<u32>;"] + [f"  var x_sq{i} = 0.0f;"] * normed
     lines += ["", "  // W: each thread dequantizes one row's block"]
-    if swiglu:  # tile rows 0-63 are gate rows, 64-127 the up rows of the same columns
+    if has_gate:  # tile rows 0-63 are gate rows, 64-127 the up rows of the same columns
         lines += ["  let half_rows = out_features / 2;",
                   f"  let column = i32(wid.x) * {columns} + i32(tid % {columns}u);",
                   f"  let w_row = u32(min(column, half_rows - 1) + select(0, half_rows, tid >= {columns}u));"]
@@ -195,7 +195,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                                       f"acc{i0 + di}_{j}", f"{C_STRIDE}u")
                   for di in range(frags_per_pass) for j in range(frags_n)]
         lines += ["  }", "  workgroupBarrier();"]
-        if swiglu:  # thread: column tid % 64 of the part's tokens (tid / 64) * 8 .. + 7
+        if has_gate:  # thread: column tid % 64 of the part's tokens (tid / 64) * 8 .. + 7
             rows_each = EPILOGUE_TOKENS * columns // THREADS
             lines += [f"  for (var r = 0u; r < {rows_each}u; r = r + 1u) {{",
                       f"    let local = (tid / {columns}u) * {rows_each}u + r;",
@@ -205,7 +205,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                       f"      let s = row_scale[{first}u + local];",
                       f"      let gate = results[local * {C_STRIDE}u + tid % {columns}u] * s;",
                       f"      let up = results[local * {C_STRIDE}u + {columns}u + tid % {columns}u] * s;",
-                      f"      y[u32(token * half_rows + column)] = f16({gated_wgsl('gate', 'up', spec.activation)});",
+                      f"      y[u32(token * half_rows + column)] = f16({gated_wgsl('gate', 'up', spec.glu)});",
                       "    }", "  }"]
         else:  # thread: column tid of every token
             lines += [f"  for (var r = 0u; r < {EPILOGUE_TOKENS}u; r = r + 1u) {{",

@@ -120,7 +120,7 @@ def grid_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, 
     out_features, in_features, residual, norm, swiglu = (TEST_DECODE_MATMULS if decode else TEST_PREFILL_MATMULS)[flags]
     return MatmulSpec(out_features, in_features, dtype, grid_weights(flags), residual=residual,
                       norm_eps=1e-5 if norm else None,
-                      swiglu=swiglu, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
+                      glu="silu" if swiglu else None, tiled=not decode, subgroup_lanes=subgroup_lanes, int8_x=int8_x,
                       quantizes_y=quantizes_y, token_tile=token_tile, matrix=matrix, quantizes_x=quantizes_x)
 
 

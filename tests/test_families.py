@@ -5,7 +5,9 @@ sliding window and past the switch to the sharded nest, folded and apart, f32 an
 import numpy as np
 import pytest
 
+from contract.family import ACTIVATIONS
 from contract.gguf import config_from_metadata
+from contract.kernels import GLU_NAMES, MatmulSpec
 from contract.model import TEST_MODEL_CONFIGS
 from convert.weights import load_artifact_weights, write_random_artifact
 from model_glue.errors import ModelError
@@ -138,3 +140,18 @@ def test_a_family_config_from_gguf_metadata():
 def test_an_unsupported_architecture_is_refused_by_name():
     with pytest.raises(ValueError, match=r"'phi3' \(it needs fused QKV.*runs llama, qwen2, qwen3, gemma3"):
         config_from_metadata({"general.architecture": "phi3"}, has_output_head=False)
+
+
+def test_a_matmul_gate_is_one_key():
+    """MatmulSpec.glu: the gate's activation or None; each is a kernel branch and names its fold."""
+    from tvm.script import tirx as T
+
+    from kernels.llama_common import gated
+
+    assert set(GLU_NAMES) == set(ACTIVATIONS)
+    assert "glu" not in MatmulSpec(512, 128, "float16").name
+    for activation in ACTIVATIONS:
+        gated(T.float32(1), T.float32(2), activation)  # the kernels have the activation
+        assert f"_{GLU_NAMES[activation]}_" in MatmulSpec(512, 128, "float16", glu=activation).name
+    with pytest.raises(ValueError, match="glu is one of"):
+        MatmulSpec(512, 128, "float16", glu="relu")

@@ -87,7 +87,7 @@ def test_every_served_model_has_matrix_builds_that_fit_32_kib(library):
 
 def test_the_build_refuses_wgsl_that_differs_from_its_declared_abi():
     """The WGSL kernel's manifest entry comes from its declared ABI, checked against its text."""
-    spec = MatmulSpec(256, 128, "float16", norm_eps=1e-5, swiglu=True, tiled=True, matrix=True)
+    spec = MatmulSpec(256, 128, "float16", norm_eps=1e-5, glu="silu", tiled=True, matrix=True)
     kernel = matrix_matmul(spec)
     built = build_wgsl_kernel(spec.name, kernel, {}, spec.buffers, MAX_WORKGROUP_STORAGE)
     assert built.spec.buffer_names == ["x", "norm", "w", "scale", "wmin", "y"]
