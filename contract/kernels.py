@@ -221,6 +221,10 @@ class MatmulSpec:
     # and stats itself, every workgroup all of them into workgroup memory (its prologue), rather than
     # reading a quantize dispatch's: where they fit there beside the lanes' partials (`prologue_fits`).
     quantizes_x: bool = False
+    # A decode matmul (norm folded) of a post-norm family whose x is made in its prologue: the residual
+    # stream (`stream`) plus `x` (the last matmul's output) normalized with the weight `post_norm`, as an
+    # rms_norm_resid dispatch would write it; workgroup 0 also writes it to `stream_out`.
+    adds_post_norm: bool = False
     # A prefill matmul's tokens a tile (PREFILL_TOKEN_TILE, or SHORT_PREFILL_TOKENS for short passes).
     token_tile: int = PREFILL_TOKEN_TILE
     # A prefill matmul on subgroup matrices (kernels.prefill_matmul_matrix: the tensor cores), f16, for
@@ -246,6 +250,9 @@ class MatmulSpec:
         if self.quantizes_x and not (self.int8_x and self.norm_eps is not None and self.prologue_fits):
             raise ValueError("quantizes_x is for an int8_x matmul with the norm folded in whose x's codes fit "
                              f"{WORKGROUP_STORAGE_BYTES} bytes of workgroup memory beside its partials")
+        if self.adds_post_norm and (self.tiled or self.norm_eps is None or self.int8_x or self.split_head_dim
+                                    or self.rope_append or self.argmax_partials):
+            raise ValueError("adds_post_norm is for a decode matmul on x in dtype with the norm folded in")
         if self.quantizes_y and (self.tiled or self.columns_per_group != 16 or self.rope_append or self.argmax_partials):
             raise ValueError("quantizes_y is for a decode matmul whose workgroup writes one chunk of 16 columns of y")
 
@@ -260,6 +267,8 @@ class MatmulSpec:
         outputs = ("positions", "slots", "pages", "q") if self.rope_append else ("y",)
         inputs = ("x",) if self.quantizes_x or not self.int8_x and not self.split_head_dim else \
             QUANTIZED_X if self.int8_x else SPLIT_WORKSPACE
+        inputs += ("stream", "post_norm") * self.adds_post_norm
+        outputs += ("stream_out",) * self.adds_post_norm
         # the quantizer applies the norm's weight, unless the matmul quantizes x itself
         norm = self.norm_eps is not None and (self.quantizes_x or not self.int8_x)
         return inputs + ("norm",) * norm + ("w", "scale") + ("wmin",) * (self.weights != "q8") \
@@ -272,7 +281,8 @@ class MatmulSpec:
             ("norm", self.norm_eps is not None), (GLU_NAMES.get(self.glu), self.glu is not None), ("resid", self.residual),
             (f"rope_{rope_tag(self.rope_append.head_dim, self.rope_append.scaling)}" if self.rope_append else "",
              self.rope_append is not None),
-            (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials)) if on)
+            (f"merge_d{self.split_head_dim}", self.split_head_dim is not None), ("argmax", self.argmax_partials),
+            ("postnorm", self.adds_post_norm)) if on)
         rows = "" if self.tiled else f"_r{self.rows_per_thread}"
         if self.tiled:
             rows = ("_smx" if self.matrix else "") + (f"_t{self.token_tile}" if self.token_tile != PREFILL_TOKEN_TILE else "")
@@ -390,6 +400,10 @@ class Matmul(StrEnum):
     NORM_QKV_ROPE_APPEND = "norm_qkv_rope_append"
     O_RESIDUAL_MERGE = "o_residual_merge"
     O_MERGE = "o_merge"  # ... without the residual, for a post-norm family (Family.post_norms)
+    # a post-norm family's decode step: x = stream + post_norm(last output), then the normed matmul
+    # (MatmulSpec.adds_post_norm: the rms_norm_resid dispatch before it folded in)
+    POST_NORM_QKV = "post_norm_qkv"
+    POST_NORM_GATE_UP_SWIGLU = "post_norm_gate_up_swiglu"
 
 
 class Role(StrEnum):
@@ -433,6 +447,10 @@ def folded_matmuls(arch: Family, fold_norms: bool) -> list[Matmul]:
         return [Matmul.NORM_QKV, o, Matmul.NORM_GATE_UP_SWIGLU, down]
     return [Matmul.QKV, o, Matmul.GATE_UP, down]
 
+
+# A post-norm family's normed decode matmuls -> their builds that also make x from the residual
+# stream and the last matmul's output (MatmulSpec.adds_post_norm)
+POST_NORM_MATMULS = {Matmul.NORM_QKV: Matmul.POST_NORM_QKV, Matmul.NORM_GATE_UP_SWIGLU: Matmul.POST_NORM_GATE_UP_SWIGLU}
 
 # The decode step's q4 matmuls that have an int8_x form (MatmulSpec.int8_x: x read as int8 codes), and
 # the quantizer dispatch before each (kernels.quantize_x).
@@ -582,6 +600,9 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
             for matmul in matmuls:
                 roles[matmul_role(matmul, prefill=True, short=True)] = replace(
                     roles[matmul_role(matmul, prefill=True)], token_tile=SHORT_PREFILL_TOKENS)
+    if arch.post_norms:  # GPUs' decode step: the post-norm and residual add before qkv and gate/up folded in
+        for matmul, folded in POST_NORM_MATMULS.items():
+            roles[matmul_role(folded)] = replace(roles[matmul_role(matmul)], adds_post_norm=True)
     return roles
 
 

@@ -70,6 +70,10 @@ def test_family_logits_match_reference_past_the_window(loop, gpu, test_library, 
                                    dtype, 40, fold_norms=fold_norms)
     assert set(nests) == {"tiled"}
     assert not any("_xi8" in kernel for kernel in model.kernel_names.values())  # int8 x is llama's layer only
+    if fold_norms and TEST_MODEL_CONFIGS[name].arch.post_norms:
+        # a decode step: embed; qkv (the post-norm and add before it folded in), RoPE, attention, o,
+        # gate/up (likewise), down a layer; the last layer's post-norm, the head and argmax
+        assert model.stats[-1].dispatches == 1 + 6 * model.config.n_layers + 3
 
 
 @pytest.mark.parametrize("attention", ["auto", "tiled"])

@@ -12,7 +12,8 @@ from functools import lru_cache
 
 from contract.attention import AttentionChoice
 from contract.family import FAMILIES, Family
-from contract.kernels import (INT8_X_MATMULS, NORMED_INT8_X_MATMULS, SPLIT_WORKSPACE, Matmul, Role, folded_matmuls,
+from contract.kernels import (INT8_X_MATMULS, NORMED_INT8_X_MATMULS, POST_NORM_MATMULS, SPLIT_WORKSPACE, Matmul, Role,
+                              folded_matmuls,
                               matmul_role, o_merge_matmul, rope_values)
 from contract.model import codes_tensor, head_tensor, layer_rope_theta, layer_window
 from contract.slices import RowSlice
@@ -38,6 +39,7 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     apart += [Role.NORM_RESIDUAL] if arch.post_norms else []
     fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms and arch.fused_rope_append else []  # a decode step's qkv + RoPE + K/V append
     fused += [matmul_role(o_merge_matmul(arch))] if o_merges else []
+    fused += [matmul_role(m) for m in POST_NORM_MATMULS.values()] if fold_norms and arch.post_norms else []
     if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
         fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
         quantized = [m for m in INT8_X_MATMULS if not (normed_x_in_prologue and m in NORMED_INT8_X_MATMULS)]
@@ -282,12 +284,14 @@ def _vocab_matrix(m, name: str) -> list[tuple[dict, RowSlice]]:
 
 
 def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x, y, *, norm=None, resid=None,
-            rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None) -> None:
+            rope_io=None, values=None, per_step: bool = False, y_codes: dict | None = None,
+            post_norm: tuple | None = None) -> None:
     """y = x @ W^T with the role's folds; `weight` names the matrix (its .q4 or .q8a, .scale, .min tensors).
     `x` is a buffer, a dict of the buffers x is made from (the merging o-projection's partial
     states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
     epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
-    (MatmulSpec.quantizes_y). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
+    (MatmulSpec.quantizes_y); `post_norm`: (stream, the post-norm's weight, stream_out) where x is the
+    last matmul's output, normalized and added to the stream first (MatmulSpec.adds_post_norm). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
     given as codes, its quantizer runs first, with the norm's weight, unless the matmul makes them
     itself (PassPlan.normed_x_in_prologue: it reads x and the norm's weight)."""
     w, n = m.weights, plan.n
@@ -312,6 +316,9 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x,
         buffers["norm"] = w[norm]
     if resid is not None:
         buffers["resid"] = resid
+    if post_norm is not None:
+        stream, weight_name, stream_out = post_norm
+        buffers.update(stream=stream, post_norm=w[weight_name], stream_out=stream_out)
     enc.run(m.kernels[role], buffers, role_values(m, role, **{"n": n, **(values or {})}), per_step=per_step)
 
 
@@ -368,6 +375,9 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
     n, choice, arch = plan.n, plan.attention, c.arch
     stamps = PassStamps(c.n_layers)
     x, x_mid = buf["x_a"], buf["x_b"]
+    # a decode step of a post-norm family (folded norms): each post-norm and its residual add run in
+    # the prologue of the next normed matmul, which writes the stream (MatmulSpec.adds_post_norm)
+    folds_post_norms = n == 1 and plan.fold_norms and arch.post_norms
     with enc.timed(stamps.pass_begin, None):
         # a one-token pass embeds the id the last pass chose (or the host wrote) in next_id; each
         # vocabulary slice writes the tokens whose ids it holds (one slice, unless past a binding)
@@ -384,7 +394,11 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
             _matmul(m, enc, plan, Matmul.NORM_QKV_ROPE_APPEND, f"{p}.qkv", x, None, norm=f"{p}.attn_norm",
                     rope_io=rope_io, values={"num_pages": m.kv.num_pages})
         else:  # the family's bias and QK-norm, then RoPE at the layer's base (its own for a sliding window)
-            _qkv(m, enc, plan, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
+            if folds_post_norms and layer > 0:  # x = x_mid + norm(the last down's output) made first
+                _matmul(m, enc, plan, Matmul.POST_NORM_QKV, f"{p}.qkv", buf["normed"], buf["qkv"],
+                        norm=f"{p}.attn_norm", post_norm=(x_mid, f"layers.{layer - 1}.post_ffn_norm", x))
+            else:
+                _qkv(m, enc, plan, f"{p}.qkv", x, buf["qkv"], f"{p}.attn_norm")
             head_norms = {"q_norm": w[f"{p}.q_norm"], "k_norm": w[f"{p}.k_norm"]} if arch.qk_norm else {}
             bias = {"qkv_bias": w[f"{p}.qkv_bias"]} if arch.qkv_bias else {}
             enc.run(k[Role.ROPE_APPEND], {"qkv": buf["qkv"], **bias, **head_norms, **rope_io},
@@ -399,7 +413,8 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
                         values=o_merge_values(choice), per_step=True)
             else:
                 _matmul(m, enc, plan, Matmul.O, f"{p}.o", buf["attn"], buf["normed"])
-            _norm_residual(m, enc, n, buf["normed"], f"{p}.post_attn_norm", x, x_mid)
+            if not folds_post_norms:  # else gate/up makes x_mid
+                _norm_residual(m, enc, n, buf["normed"], f"{p}.post_attn_norm", x, x_mid)
         elif plan.o_merges:  # x of the o-projection is merged from the split call's partial states
             _matmul(m, enc, plan, Matmul.O_RESIDUAL_MERGE, f"{p}.o", split_states, x_mid,
                     resid=x, values=o_merge_values(choice), per_step=True)
@@ -412,10 +427,15 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
         # feed-forward block: x = x_mid + down(act(gate) * up of norm(x_mid)) (the family's post-norm of
         # down's output before the add)
         down_codes = _codes(m, "ffn_") if plan.down_codes_from_gate_up else None
-        _swiglu_ffn(m, enc, plan, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
+        if folds_post_norms:  # x_mid = x + norm(o's output) made first
+            _matmul(m, enc, plan, Matmul.POST_NORM_GATE_UP_SWIGLU, f"{p}.gate_up", buf["normed"], buf["ffn"],
+                    norm=f"{p}.ffn_norm", post_norm=(x, f"{p}.post_attn_norm", x_mid))
+        else:
+            _swiglu_ffn(m, enc, plan, f"{p}.gate_up", x_mid, buf["ffn"], f"{p}.ffn_norm", h_codes=down_codes)
         if arch.post_norms:
             _matmul(m, enc, plan, Matmul.DOWN, f"{p}.down", buf["ffn"], buf["normed"])
-            _norm_residual(m, enc, n, buf["normed"], f"{p}.post_ffn_norm", x_mid, x)
+            if not folds_post_norms or layer == c.n_layers - 1:  # else the next qkv makes x
+                _norm_residual(m, enc, n, buf["normed"], f"{p}.post_ffn_norm", x_mid, x)
         else:
             _matmul(m, enc, plan, Matmul.DOWN_RESIDUAL, f"{p}.down", down_codes or buf["ffn"], x, resid=x_mid)
     # head: only the last token's logits are needed (a decode pass's x is that token already)
