@@ -21,8 +21,10 @@ demo: setup
 
 TEST_KERNELS := build/test-kernels/manifest.json
 
+# Two processes, a test file each at a time (its module fixtures, a page or a model, load once): much
+# of the suite waits on a browser or a GPU readback, so two overlap on two cores.
 test: setup $(TEST_KERNELS)
-	$(PY) -m pytest -q -rs --durations=15
+	$(PY) -m pytest -q -rs --durations=15 -n 2 --dist loadfile
 
 test-slow: setup $(TEST_KERNELS) $(VENV)/.slow-installed
 	$(PY) -m pytest -q -rs -m slow
