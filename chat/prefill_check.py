@@ -52,6 +52,13 @@ def _spec(model, role: str):
     return llama_kernels(model.config, model.dtype, prefill_matrix=model.has_prefill_matrix)[role]
 
 
+def _activation(glu: str, gate: float) -> float:
+    """The gate's activation (contract.family.ACTIVATIONS) in float64: SiLU, or GELU's tanh form."""
+    if glu == "silu":
+        return gate / (1 + math.exp(-gate))
+    return 0.5 * gate * (1 + math.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+
+
 class CheckInputs:
     """Random inputs of one matmul width (x, q4 W, its scales and mins, the norm's weight, the
     residual) and the float64 reference of its outputs at sampled places."""
@@ -95,7 +102,7 @@ class CheckInputs:
             return math.fsum(a * b for a, b in zip(x, self._row(r)))
         if spec.glu is not None:
             gate, up = dot(c), dot(self.columns + c)
-            return gate / (1 + math.exp(-gate)) * up
+            return _activation(spec.glu, gate) * up
         y = dot(c)
         return y + self.values(self.resid)[t * self.columns + c] if spec.residual else y
 

@@ -159,3 +159,13 @@ def test_a_matmul_gate_is_one_key():
         assert f"_{GLU_NAMES[activation]}_" in MatmulSpec(512, 128, "float16", glu=activation).name
     with pytest.raises(ValueError, match="glu is one of"):
         MatmulSpec(512, 128, "float16", glu="relu")
+
+
+def test_the_pages_prefill_check_gates_with_the_familys_activation():
+    """chat.prefill_check's float64 reference of a gated matmul uses the spec's activation (GeGLU too)."""
+    from chat.prefill_check import _activation
+    from model_reference import ACTIVATIONS
+
+    gates = np.linspace(-6, 6, 25)
+    for glu, reference in ACTIVATIONS.items():
+        assert np.allclose([_activation(glu, float(g)) for g in gates], reference(gates), rtol=1e-12, atol=1e-15)
