@@ -13,7 +13,8 @@ from model_glue.formats.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, tok
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
-TEXTS = ["Hello world!", "  leading spaces and trailing   ", "It's 12345 o'clock, DON'T", "tabs\tand\nnew\n\n lines\r\n x",
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen 2's tokenizer.json: one digit a word
+TEXTS = ["Hello world!", "a  1 x   22\n 333", "  leading spaces and trailing   ", "It's 12345 o'clock, DON'T", "tabs\tand\nnew\n\n lines\r\n x",
          "ünïcödé — ça va? 日本語テキスト 123456789", "a  b   c\n\n\nd", "'S 'Ll 're'", "x\u00a0y", "emoji 🎉🎉 done.",
          "<|im_start|>user\nhi<|im_end|>", "!!!??? ...\n\n\t\t", "1,000,000.50$"]
 
@@ -35,12 +36,13 @@ def hf_bpe(tokens, merges, pre_tokenizer):
     return tok
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "smollm", "gpt-2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "gpt-2"])
 def test_byte_level_bpe_matches_hf(pre):
     metadata, tokens, merges = gpt2_metadata(pre)
     ours = tokenizer_from_gguf(metadata)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
     steps = {"llama-bpe": [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"), byte_level],
+             "qwen2": [pre_tokenizers.Split(Regex(QWEN2_PATTERN), "isolated"), byte_level],
              "smollm": [pre_tokenizers.Digits(individual_digits=True), byte_level], "gpt-2": [byte_level]}[pre]
     reference = hf_bpe(tokens, merges, pre_tokenizers.Sequence(steps))
     rng = np.random.default_rng(0)
@@ -103,8 +105,8 @@ def test_user_defined_tokens_stay_text_when_specials_are_skipped():
 
 
 def test_unsupported_tokenizers_are_named():
-    metadata, _, _ = gpt2_metadata("qwen2")
-    with pytest.raises(ModelError, match="pre-tokenizer is 'qwen2'"):
+    metadata, _, _ = gpt2_metadata("deepseek-llm")
+    with pytest.raises(ModelError, match="pre-tokenizer is 'deepseek-llm'"):
         tokenizer_from_gguf(metadata)
     with pytest.raises(ModelError, match="tokenizer is 'bert'"):
         tokenizer_from_gguf({**metadata, "tokenizer.ggml.model": "bert"})

@@ -24,7 +24,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPECIAL_TYPES = (CONTROL, USER_DEFINED)
 # tokenizer.ggml.pre -> (split pattern, digits each a pre-token first)
 PRE_TOKENIZERS = {"smollm": ("gpt2", True), "gpt-2": ("gpt2", False), "llama-bpe": ("llama3", False),
-                  "llama3": ("llama3", False)}
+                  "llama3": ("llama3", False), "qwen2": ("qwen2", False)}  # qwen2: Qwen 2 / 2.5 / 3's files
 SPACE = "\u2581"  # SentencePiece's visible space
 
 

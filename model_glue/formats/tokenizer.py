@@ -14,6 +14,8 @@ produce exactly the ids HF `tokenizers` produces for it (the tests check this):
 
 from __future__ import annotations
 
+import functools
+
 import codecs
 import json
 import re
@@ -73,7 +75,7 @@ class _ClassTable(dict):
         return cls
 
 
-SPLIT_PATTERNS = ("gpt2", "llama3")
+SPLIT_PATTERNS = ("gpt2", "llama3", "qwen2")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -147,8 +149,10 @@ class BPETokenizer(SpecialsFirst):
         self.add_prefix_space = add_prefix_space
         if split_pattern not in SPLIT_PATTERNS:
             raise ValueError(f"unknown split pattern {split_pattern!r} (known: {', '.join(SPLIT_PATTERNS)})")
-        # GPT-2's pattern (SmolLM2, after its Digits step) or Llama 3's (tiktoken's cl100k pattern)
-        self._split_pattern = self._split_gpt2 if split_pattern == "gpt2" else self._split_llama3
+        # GPT-2's pattern (SmolLM2, after its Digits step), Llama 3's (tiktoken's cl100k pattern) or Qwen 2's
+        # (Llama 3's with each digit a word of its own)
+        self._split_pattern = {"gpt2": self._split_gpt2, "llama3": self._split_llama3,
+                               "qwen2": functools.partial(self._split_llama3, max_digits=1)}[split_pattern]
         self._special_re = special_token_pattern(self.special_tokens)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
@@ -273,10 +277,10 @@ class BPETokenizer(SpecialsFirst):
         return words
 
     @staticmethod
-    def _split_llama3(text: str, cls: list[int], start: int, end: int, words: list[str]) -> None:
+    def _split_llama3(text: str, cls: list[int], start: int, end: int, words: list[str], max_digits: int = 3) -> None:
         r"""Append the matches of Llama 3's pattern over text[start:end] (a leftmost-first scan):
         `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|`
-        `\s*[\r\n]+|\s+(?!\S)|\s+`."""
+        `\s*[\r\n]+|\s+(?!\S)|\s+` (Qwen 2's: `\p{N}` for `\p{N}{1,3}`, `max_digits` 1)."""
         i = start
         while i < end:
             c, ch = cls[i], text[i]
@@ -296,9 +300,9 @@ class BPETokenizer(SpecialsFirst):
                 words.append(text[i:j])
                 i = j
                 continue
-            if c == _NUMBER:  # \p{N}{1,3}
+            if c == _NUMBER:  # \p{N}{1,max_digits}
                 j = i + 1
-                while j < end and j - i < 3 and cls[j] == _NUMBER:
+                while j < end and j - i < max_digits and cls[j] == _NUMBER:
                     j += 1
                 words.append(text[i:j])
                 i = j
