@@ -154,6 +154,12 @@ SYNTHETIC_CONFIGS = {
     # own vocabulary, RoPE base and no RoPE scaling: it adds only the RoPE kernels compiled without one.
     "mistral_7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                               vocab_size=32000, rope_theta=1000000.0, rms_eps=1e-5, tied_embeddings=False),
+    # Qwen 2.5-0.5B (QKV biases) and Qwen 3-0.6B (QK-norm, heads wider than the model), the most run small
+    # GGUFs of their families (contract.family)
+    "qwen2_5_0_5b": LlamaConfig(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, ffn_dim=4864,
+                                vocab_size=151936, rope_theta=1000000.0, rms_eps=1e-6, family="qwen2"),
+    "qwen3_0_6b": LlamaConfig(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                              vocab_size=151936, rope_theta=1000000.0, rms_eps=1e-6, family="qwen3"),
 }
 SYNTHETIC_DTYPES = ("float16",)
 
@@ -161,7 +167,8 @@ SYNTHETIC_DTYPES = ("float16",)
 # The names people call them by (`?model=synthetic:llama-3.1-8b`, `--shape llama-3.1-8b`).
 SYNTHETIC_NAMES = {"smollm2-360m": "smollm2_360m", "smollm2-1.7b": "smollm2_1_7b", "tinyllama-1.1b": "tinyllama_1_1b",
                    "llama-3.2-1b": "llama_3_2_1b", "llama-3.2-3b": "llama_3_2_3b", "llama-3.1-8b": "llama_3_1_8b",
-                   "mistral-7b": "mistral_7b", "gemma3-270m": "gemma3_270m"}
+                   "mistral-7b": "mistral_7b", "gemma3-270m": "gemma3_270m", "qwen2.5-0.5b": "qwen2_5_0_5b",
+                   "qwen3-0.6b": "qwen3_0_6b"}
 
 
 def synthetic_config_name(name: str) -> str:

@@ -20,6 +20,7 @@ from model_glue.gpu.webgpu import BufferSlice
 
 FILL_KERNELS = ("random_words", "random_uniform", "random_q4_blocks")
 NORM_RANGE = (0.9, 1.1)
+BIAS_RANGE = (-0.1, 0.1)  # a QKV bias (Qwen 2): small beside the projections
 Q8_SCALE_RANGE = (0.005, 0.015)  # embedding rows of norm ~0.5 at dim 576, like the numpy random artifacts
 SUBMIT_EVERY = 64  # fill dispatches per submit, so progress reaches the page while a large model fills
 
@@ -51,6 +52,8 @@ def fill_dispatches(config: LlamaConfig, seed: int) -> list[tuple[str, tuple[str
             out.append(("random_uniform", (t.name,), {**values, "lo": Q8_SCALE_RANGE[0], "hi": Q8_SCALE_RANGE[1]}))
         elif t.role == "norm":
             out.append(("random_uniform", (t.name,), {**values, "lo": NORM_RANGE[0], "hi": NORM_RANGE[1]}))
+        elif t.role == "bias":
+            out.append(("random_uniform", (t.name,), {**values, "lo": BIAS_RANGE[0], "hi": BIAS_RANGE[1]}))
         elif t.role != "q4_min":  # written with its scale
             raise ValueError(f"no fill for tensor role {t.role!r}")
     return out

@@ -116,9 +116,11 @@ def dense_weights(loop, gpu, model) -> dict:
         dense["head"] = matrix("head")
     for layer in range(model.config.n_layers):
         p = f"layers.{layer}"
-        dense[f"{p}.attn_norm"], dense[f"{p}.ffn_norm"] = raw[f"{p}.attn_norm"], raw[f"{p}.ffn_norm"]
         for m in ("qkv", "o", "gate_up", "down"):
             dense[f"{p}.{m}"] = matrix(f"{p}.{m}")
+        # the family's vectors as they are: norms (pre, post, QK) and biases
+        dense.update({t.name: raw[t.name] for t in model_tensors(model.config)
+                      if t.name.startswith(f"{p}.") and t.name.count(".") == 2 and t.dtype == "float32"})
     return dense
 
 
@@ -229,13 +231,15 @@ def test_whole_synthetic_shapes_stay_finite_and_agree_across_the_nests(loop, gpu
         model.release()
 
 
-@pytest.mark.parametrize("name", ["smollm2-360m", "smollm2-1.7b", "tinyllama-1.1b", "llama-3.2-3b"])
+@pytest.mark.parametrize("name", ["smollm2-360m", "smollm2-1.7b", "tinyllama-1.1b", "llama-3.2-3b", "qwen2.5-0.5b",
+                                  "qwen3-0.6b"])
 def test_the_served_shapes_run_one_layer_against_the_reference(loop, gpu, library, name):
     """The other served shapes (f16 kernels only, so that a user's GGUF of that shape runs): one layer
     with random weights from the served artifact, a prompt and decode steps, against the f64 reference
     on the weights read back. 15 query heads over 5 KV heads (SmolLM2-360M), 32 over 32 (1.7B), 32 over 4
     with a head of its own (TinyLlama), head_dim 128 with 24 over 8 (Llama-3.2-3B: needs more than
-    lavapipe's binding limit)."""
+    lavapipe's binding limit), Qwen 2.5's 14 over 2 with QKV biases, Qwen 3's 16 x 128 over 8 on a
+    1,024-wide model with QK-norm."""
     if not gpu.has_f16:
         pytest.skip("adapter has no shader-f16")
     config = ALL_MODEL_CONFIGS[synthetic_config_name(name)]
