@@ -208,3 +208,16 @@ def test_golden_answer_with_smollm2_in_chromium(browser, server):
     assert tab.evaluate("window.demoState.lastReply")["text"].strip() == "The capital of France is Paris."
     tab.screenshot(path=str(OUTPUT / "page-chat-smollm2.png"), full_page=True)
     tab.close()
+
+
+@pytest.mark.slow
+def test_gemma3_continues_the_primary_colors_in_chromium(browser, server):
+    """Gemma 3 270M as the page serves it (?model=gemma3, about 80 s on SwiftShader): llama.cpp's
+    greedy continuation of a base model's prompt, in f32 (the adapter has no shader-f16 and the
+    family's activations need f32 anyway)."""
+    tab = open_chat_page(browser, server, "?model=gemma3")
+    assert tab.inner_text("#status-summary").startswith("ready: Gemma 3 270M, text chat template, f32 kernels")
+    send(tab, "The three primary colors are", 4)
+    tab.wait_for_function("() => window.demoState.lastReply", timeout=900_000)
+    assert tab.evaluate("window.demoState.lastReply")["text"] == " red, blue,"
+    tab.close()
