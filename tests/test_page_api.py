@@ -7,7 +7,7 @@ import pytest
 from chat.page import NVIDIA_F16_FLAG, parse_request, shader_f16_note
 from contract.attention import LayoutChoice
 from model_glue.errors import ModelError
-from model_glue.options import RunOptions
+from model_glue.options import RunOptions, load_time_options, option_kinds
 from model_glue.policy import CPU_PIPELINE_DEPTH, GPU_PIPELINE_DEPTH
 
 
@@ -50,3 +50,25 @@ def test_options_resolve_per_adapter_and_max_context_is_fixed_at_load():
         RunOptions(layout="shards:999")
     with pytest.raises(ModelError, match="sharded layout must be one of"):
         RunOptions.from_json('{"layout": "fast:2"}')
+
+
+def test_every_request_option_merges_and_every_load_time_option_is_held():
+    """merged and per_request read each field's metadata (model_glue.options.option): a request's value of
+    every per-request field reaches the merged options, a None of an adapter-default field keeps the loaded
+    value, and a load-time field may only be repeated; per_request leaves exactly the load-time ones."""
+    loaded = RunOptions().resolved(is_cpu=False, context_length=8192)
+    other = {"max_context": 64, "attention": "tiled", "layout": "shards:8", "prefill_chunk": 37, "pipeline_depth": 3,
+             "time_attention_every": 5}
+    for name, kind in option_kinds().items():
+        value = other.get(name, not getattr(loaded, name))  # the flags: the other one (None's is True)
+        request = RunOptions(**{name: value})
+        if name in load_time_options():
+            with pytest.raises(ModelError, match=f"{name} is chosen when the model loads"):
+                loaded.merged(request)
+            assert getattr(request.per_request(), name) is None
+        else:
+            assert getattr(loaded.merged(request), name) == getattr(request, name), name
+            assert getattr(request.per_request(), name) == getattr(request, name), name
+        if kind in ("auto-on-off", "count"):  # a request's None keeps what loaded
+            assert getattr(loaded.merged(RunOptions()), name) == getattr(loaded, name), name
+    assert set(load_time_options()) == {"max_context", "warm_up", "matmul_subgroups", "matmul_int8_x"}
