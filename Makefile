@@ -146,7 +146,7 @@ $(MODEL_ARTIFACT): $(GGUF) $(CONVERT) app/convert_gguf.py $(SOURCES) static/arti
 	$(PY) -m app convert
 
 # Gemma 3 270M as the page's second model (?model=gemma3): its GGUF through the same conversion, its
-# tokenizer the file's own (about 10 s here).
+# tokenizer the file's own.
 $(GEMMA_ARTIFACT): $(GEMMA_GGUF) $(CONVERT) app/convert_gguf.py $(SOURCES) static/artifacts/kernels/manifest.json \
                    $(VENV)/.installed
 	@echo "== Gemma 3 270M artifact: GGUF -> GPU weight layout (repacked through the runtime)"

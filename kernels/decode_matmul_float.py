@@ -13,9 +13,10 @@ from contract.kernels import MatmulSpec
 from kernels.decode_attention_merge import MERGE_UNROLL, merge_split_states
 from kernels.decode_matmul_common import (LANES, ROWS, TOKENS, TRIP_UNROLL, Geometry, check_folds,
                                           column_value, dot_float_chunk, load_weight_chunk, reduce_lanes)
+from kernels.llama_common import THREADS, workgroup_sum
 
 VEC = 4  # the split workspace's vectors: f32x4
-THREADS = ROWS * LANES
+assert ROWS * LANES == THREADS  # the workgroup's invocations, as workgroup_sum counts them
 
 
 @T.macro
@@ -40,7 +41,7 @@ def post_norm_x(g, x, stream, post_norm, stream_out, partial, sq, xv4, added, rb
     """x into workgroup memory after the partials (at g.partial_words): stream + norm(x) * post_norm,
     what layer_ops.rms_norm(residual=True) would have written, rounded to `dtype` as it writes it;
     workgroup 0 also writes it to stream_out (the next residual add's stream). The sum of x^2 meets
-    in workgroup memory after x, a tree over the workgroup's threads. xv4, added: local f32x4, dtype x4."""
+    in workgroup memory after x (workgroup_sum). xv4, added: local f32x4, dtype x4."""
     t: T.let[T.int32] = r * LANES + lane
     sums: T.let[T.int32] = g.partial_words + g.in_features
     sq[0] = T.float32(0)
@@ -51,10 +52,7 @@ def post_norm_x(g, x, stream, post_norm, stream_out, partial, sq, xv4, added, rb
             for e in T.unroll(VEC):
                 sq[0] = sq[0] + T.Shuffle([xv4[0]], [e]) * T.Shuffle([xv4[0]], [e])
     partial[sums + t] = sq[0]
-    for level in T.unroll(THREADS.bit_length() - 1):
-        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-        if t < half:
-            partial[sums + t] = partial[sums + t] + partial[sums + t + half]
+    workgroup_sum(partial, sums, t)
     inv_rms: T.let[T.float32] = T.rsqrt(partial[sums] / T.float32(g.in_features) + eps)
     for trip in T.unroll((g.in_features // VEC + THREADS - 1) // THREADS):
         c: T.let[T.int32] = trip * THREADS + t

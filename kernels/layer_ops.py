@@ -8,7 +8,7 @@ from tvm.script import tirx as T
 
 from contract.kernels import PAGE_SIZE
 from contract.model import Q8A_BLOCK, q8a_weight_at
-from kernels.llama_common import BLOCK, THREADS, gated, sign_extend_byte
+from kernels.llama_common import BLOCK, THREADS, gated, sign_extend_byte, workgroup_sum
 
 
 def embedding_q8(dim: int, dtype: str, weights: str = "q8"):
@@ -67,7 +67,6 @@ def rms_norm(dim: int, dtype: str, residual: bool = False):
     norm into the matmul that consumes it); with `residual`, out = resid + that: the post-norm of an
     attention or FFN output before its residual add (contract.family.Family.post_norms), on every adapter."""
     TRIPS = (dim + THREADS - 1) // THREADS
-    LEVELS = THREADS.bit_length() - 1
 
     def added(resid, i, j, value):
         return T.Cast("float32", resid[i, j]) + value if residual else value
@@ -93,10 +92,7 @@ def rms_norm(dim: int, dtype: str, residual: bool = False):
                             v: T.let[T.float32] = T.Cast("float32", x[i, trip * THREADS + t])
                             acc[0] = acc[0] + v * v
                     partial[t] = acc[0]
-                    for level in T.unroll(LEVELS):
-                        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-                        if t < half:
-                            partial[t] = partial[t] + partial[t + half]
+                    workgroup_sum(partial, 0, t)
                     inv_rms: T.let[T.float32] = T.rsqrt(partial[0] / T.float32(dim) + eps)
                     for trip in T.unroll(TRIPS):
                         if trip * THREADS + t < dim:
@@ -195,7 +191,6 @@ def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, q
     """
     D = head_dim
     assert D <= THREADS and D % 2 == 0
-    LEVELS = THREADS.bit_length() - 1
     HALF = D // 2
 
     def dim_of(p, second: int):
@@ -244,10 +239,7 @@ def rope_heads_and_append(head_dim: int, dtype: str, scaled: bool, pairs: str, q
                             if t < D:
                                 v: T.let[T.float32] = loaded(qkv, qkv_bias, i, head * D + t)
                                 partial[t] = v * v
-                            for level in T.unroll(LEVELS):
-                                half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
-                                if t < half:
-                                    partial[t] = partial[t] + partial[t + half]
+                            workgroup_sum(partial, 0, t)
                             inv_rms[0] = T.rsqrt(partial[0] / T.float32(D) + eps)
                         if t < HALF:
                             lo: T.let[T.int32] = dim_of(t, 0)

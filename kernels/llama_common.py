@@ -22,6 +22,16 @@ THREADS = 256
 BLOCK = 32  # quantization block: one scale (and min) per 32 weights
 
 
+@T.macro
+def workgroup_sum(partial, base, t):
+    """partial[base] = the sum of partial[base:base + THREADS], one value a thread (t its index): a
+    tree over the workgroup's THREADS invocations in workgroup memory (TVM places the barriers)."""
+    for level in T.unroll(THREADS.bit_length() - 1):
+        half: T.let[T.int32] = T.shift_right(THREADS // 2, level)
+        if t < half:
+            partial[base + t] = partial[base + t] + partial[base + t + half]
+
+
 # GELU's tanh form as a sigmoid: 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3),
 # which needs no tanh (WGSL's overflows to NaN for large arguments on some drivers).
 GELU_TANH_2U = 2 * math.sqrt(2 / math.pi)
