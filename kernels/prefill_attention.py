@@ -37,9 +37,9 @@ FlashAttention-2 in WebGPU's default limits (256 invocations, 16 KiB of workgrou
 Workgroup storage: the K and V tiles (2 * TILE_KEYS * D/4 vectors of `dtype`) and the merge's
 statistics and O stage (2 * 256 f32x4, 8 KiB; with the dims split, the partial dots in the tile
 loop): 16 KiB. Each K/V vector read from workgroup memory feeds one vector FMA, so on a GPU the
-kernel is bound by workgroup-memory bandwidth, not FMA. (Holding two rows a thread, to read each K/V
-vector once for both, measured slower on the H200: their q and O no longer fit the registers; hence
-the dims split above head_dim 128, not 64 vectors of q and O a thread.)
+kernel is bound by workgroup-memory bandwidth, not FMA. (Two rows a thread would read each K/V vector
+once for both, but their q and O no longer fit the registers; hence the dims split above head_dim 128,
+not 64 vectors of q and O a thread.)
 """
 
 from __future__ import annotations
