@@ -4,8 +4,8 @@
 // arrives (and HOLD_MS after the last of it), a compute-bound kernel runs back to back on a device
 // of its own, one dispatch in flight, so a reply sent meanwhile waits behind one dispatch at most.
 // Light work does not hold the clocks, and streaming reads slowed the next reply (docs/benchmarks.md).
-// It never runs while the page is busy. Off unless ?warm=on asks: the page's version has not yet been
-// timed on a GPU (docs/benchmarks.md). On a CPU adapter (the tests) it spins only a little.
+// It never runs while the page is busy. On by default on a GPU adapter, off with ?warm=off; off by
+// default on a CPU adapter (no clocks to hold), where ?warm=on runs it a little (the tests).
 
 const SPIN_SHADER = `
 struct Spin { iterations: u32 }
@@ -34,9 +34,10 @@ export class ClockWarm {
     this.status = { on: false, reason: "not opened", running: false, dispatches: 0, bursts: 0 };
   }
 
-  // `mode`: the URL's ?warm ("on" or null); `cpu`: whether the model's adapter is a CPU.
+  // `mode`: the URL's ?warm ("on", "off" or null); `cpu`: whether the model's adapter is a CPU.
   async open(mode, cpu) {
-    if (mode !== "on") return this.off("off (?warm=on keeps the clocks up while you type)");
+    if (mode === "off") return this.off("off (?warm=off; without it the clocks are kept up while you type)");
+    if (cpu && mode !== "on") return this.off("off on a CPU adapter (?warm=on runs it anyway)");
     try {
       const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
       if (!adapter) return this.off("off (no adapter for it)");
@@ -54,7 +55,8 @@ export class ClockWarm {
     const sink = this.gpu.createBuffer({ size: workgroups * WORKGROUP_SIZE * 4, usage: GPUBufferUsage.STORAGE });
     this.spin = { pipeline, workgroups, bindings: this.gpu.createBindGroup({ layout: pipeline.getBindGroupLayout(0),
       entries: [{ binding: 0, resource: { buffer: uniform } }, { binding: 1, resource: { buffer: sink } }] }) };
-    Object.assign(this.status, { on: true, reason: "on while you type", iterations, workgroups });
+    Object.assign(this.status, { on: true, reason: mode === "on" ? "on (?warm=on)" : "on (?warm=off turns it off)",
+      iterations, workgroups });
   }
 
   off(reason) {

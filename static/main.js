@@ -34,7 +34,7 @@ const SYNTHETIC_NAME = `${SYNTHETIC_SHAPE} shape, random weights`;
 const HOOKS = (params.get("hooks") || "").split(",").filter(Boolean);
 // ?keepChunk=BYTES: the chunk an opened GGUF is hashed and stored by in the background (keepGguf).
 const KEEP_CHUNK = Number(params.get("keepChunk")) || GGUF_CHUNK_BYTES;
-// ?warm=on: the GPU's clocks kept up while the user types (clock_warm.js).
+// ?warm=off / ?warm=on: the clock warm while the user types (clock_warm.js; default on a GPU adapter).
 const WARM = params.get("warm");
 watchLongTasks();
 
@@ -106,8 +106,8 @@ function showAdapter(device, probe, warm) {
       : "no (shards attention kernels)"],
     ["subgroup matrices", device.subgroup_matrix_configs.length
       ? `${device.subgroup_matrix_configs.join(", ")} (tensor-core prefill matmuls)` : "no (scalar prefill matmuls)"],
-    ["clock warm", warm.on ? `${warm.reason}: a compute kernel keeps the clocks up until ${HOLD_MS / 1000} s after ` +
-      "the last key, so a reply starts at full clocks" : warm.reason],
+    ["clock warm", warm.on ? `${warm.reason}: while you type, a compute kernel keeps the clocks up until ` +
+      `${HOLD_MS / 1000} s after the last key, so a reply starts at full clocks` : warm.reason],
     ["features", device.features.join(", ")],
   ]);
   const verdict = $("probe-verdict");

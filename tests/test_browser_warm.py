@@ -1,6 +1,6 @@
 """The clock warm (static/clock_warm.js) in headless Chromium (SwiftShader, tiny_chat), forced on
 with ?warm=on: typing runs its kernel, a reply stops it, and nothing runs while the page is busy.
-(Off without ?warm=on: test_browser_chat_features. Whether it raises a real GPU's clocks
+(Off by default on a CPU adapter: test_browser_chat_features. Whether it raises a real GPU's clocks
 is a benchmark: docs/benchmarks.md.)"""
 
 import pytest

@@ -197,8 +197,8 @@ def test_bench_page_flags_for_swiftshader_and_for_a_gpu(monkeypatch):
     assert flags[-1] == chat.page.NVIDIA_F16_FLAG and set(GPU_FLAGS) <= set(flags) and args.chromium == "/opt/chromium"
     args = _page_args(monkeypatch, "--gpu", "--no-f16-flag")
     assert chat.page.NVIDIA_F16_FLAG not in chromium_flags(args.gpu, not args.no_f16_flag)
-    args = _page_args(monkeypatch, "--gpu", "--first-turns", "30", "--typing", "1.5", "--warm")
-    assert (args.first_turns, args.typing, args.warm, args.first_tokens) == (30.0, 1.5, True, None)
+    args = _page_args(monkeypatch, "--gpu", "--first-turns", "30", "--typing", "1.5", "--warm", "off")
+    assert (args.first_turns, args.typing, args.warm, args.first_tokens) == (30.0, 1.5, "off", None)
 
 
 def test_bench_page_help_names_the_f16_flag(capsys):
@@ -227,7 +227,7 @@ def test_bench_page_table_names_each_figure():
                           "runs": {"tiled": turn, "sharded": turn}},
               "encode": {"python": {"encode_median_ms": 3.0}, "replay": {"encode_median_ms": 0.2},
                          "ids_identical": True},
-              "first_turns": {"idle_s": 30.0, "typing_s": 1.5, "warm": True, "after_load": turn,
+              "first_turns": {"idle_s": 30.0, "typing_s": 1.5, "warm": "on", "after_load": turn,
                               "after_idle": {**turn, "median_gpu_ms": 3.23}},
               "long_tasks": {"count": 0, "worst_ms": 0}}
     table = "\n".join(f"{name}: {value}" for name, value in report_rows(result))

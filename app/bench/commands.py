@@ -174,8 +174,9 @@ def add_page(sub) -> None:
     page.add_argument("--first-tokens", type=int, help="tokens of each first turn's reply (default 32 with --gpu, else 4)")
     page.add_argument("--typing", type=float, default=0.0, metavar="SECONDS",
                       help="before each first turn, input events in the box for SECONDS, one every 0.1 s (default 0)")
-    page.add_argument("--warm", action="store_true",
-                      help="the page's clock warm while typing (?warm=on: static/clock_warm.js)")
+    page.add_argument("--warm", choices=("on", "off"),
+                      help="the page's clock warm while typing, ?warm=on or ?warm=off (static/clock_warm.js; "
+                           "default: the page's, on for a GPU adapter)")
     page.add_argument("--lab", action="store_true",
                       help="run the page's kernel lab instead (?model=off): tiled vs sharded attention per layer")
     page.add_argument("--lab-contexts", type=_int_list, help="the lab's contexts (default: the page's for the adapter)")

@@ -294,7 +294,7 @@ def report_rows(result: dict) -> list[tuple[str, str]]:
 
     first = result.get("first_turns")
     if first:
-        typing = f"{first['typing_s']:g} s of typing" + (", ?warm=on" if first["warm"] else "")
+        typing = f"{first['typing_s']:g} s of typing" + (f", ?warm={first['warm']}" if first["warm"] else "")
         turn(f"first turn after load ({typing})", first["after_load"])
         turn(f"first turn after {first['idle_s']:g} s idle ({typing})", first["after_idle"])
     for key, label in (("short", "short prompt"), ("long", "long document")):
@@ -389,7 +389,7 @@ def run_page_bench(args) -> dict:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     model = "off" if args.lab else args.model
     context = {"context": args.context} if args.context else {}  # the page's ?context= (its default: 4,096)
-    warm = {"warm": "on"} if args.warm else {}
+    warm = {"warm": args.warm} if args.warm else {}
     url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python", **context,
                                                                         **warm, **given_options(args)}, safe=":,")
     result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
