@@ -529,27 +529,32 @@ def matmul_subgroup_lanes(specs: dict) -> int | None:
     return specs[matmul_role(Matmul.NORM_GATE_UP_SWIGLU)].subgroup_lanes
 
 
-def normed_x_in_prologue(specs: dict) -> bool:
-    """Whether an int8_x decode step's normed matmuls (qkv, gate/up) quantize x in their prologues
-    (MatmulSpec.quantizes_x): no quantizer dispatch before them."""
-    spec = specs.get(matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True))
-    return spec is not None and spec.quantizes_x
+@dataclass(frozen=True)
+class Int8XForm:
+    """Where an int8_x decode step (MatmulSpec.int8_x) gets each matmul's codes of x, as its loaded
+    builds say: a quantizer dispatch before the matmul (INT8_X_MATMULS), unless a build makes them."""
+
+    normed_x_in_prologue: bool  # qkv's and gate/up's prologues quantize their normed x (MatmulSpec.quantizes_x)
+    down_codes_from_gate_up: bool  # gate/up's epilogue writes down's codes (MatmulSpec.quantizes_y)
+
+    def quantizes_own_x(self, matmul: Matmul) -> bool:
+        """Whether the matmul's build makes its own codes of x (no quantizer before it)."""
+        return self.normed_x_in_prologue and matmul in NORMED_INT8_X_MATMULS
+
+    def quantizers(self) -> list[str]:
+        """The quantizer roles the step dispatches (a split call's merge one included)."""
+        return sorted({INT8_X_MATMULS[m] for m in INT8_X_MATMULS if not self.quantizes_own_x(m)}) + [Role.QUANTIZE_MERGE]
 
 
-def down_codes_from_gate_up(specs: dict) -> bool:
-    """Whether an int8_x decode step's gate/up matmul writes down's codes of x (MatmulSpec.quantizes_y)."""
-    spec = specs.get(matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True))
-    return spec is not None and spec.quantizes_y
+def int8_x_form(specs: dict) -> Int8XForm | None:
+    """The int8_x form of a llama_kernels dict's decode matmuls, or None where they read x as floats."""
+    gate_up = specs.get(matmul_role(Matmul.NORM_GATE_UP_SWIGLU, int8_x=True))
+    return None if gate_up is None else Int8XForm(gate_up.quantizes_x, gate_up.quantizes_y)
 
 
 def prefill_matrix(specs: dict) -> bool:
     """Whether a llama_kernels dict has the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)."""
     return matmul_role(Matmul.NORM_GATE_UP_SWIGLU, prefill=True, matrix=True) in specs
-
-
-def matmul_int8_x(specs: dict) -> bool:
-    """Whether a llama_kernels dict's decode matmuls read int8 codes of x (MatmulSpec.int8_x)."""
-    return matmul_role(Matmul.DOWN_RESIDUAL, int8_x=True) in specs
 
 
 def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelRole]:

@@ -14,7 +14,7 @@ import hashlib
 import json
 
 from contract.artifacts import MANIFEST, MODEL_ARTIFACT_FORMAT, MODEL_ARTIFACT_KIND
-from contract.kernels import (SHORT_PREFILL_TOKENS, Matmul, llama_kernels, matmul_int8_x, matmul_role,
+from contract.kernels import (SHORT_PREFILL_TOKENS, Matmul, int8_x_form, llama_kernels, matmul_role,
                               matmul_subgroup_lanes, prefill_matrix)
 from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYTES, LlamaConfig, model_tensors,
                             synthetic_config_name)
@@ -158,7 +158,7 @@ class _Loader:
                                                       self.options.fold_norms, self.options.prefill_matrix)
         self.options = dataclasses.replace(self.options,
                                            matmul_subgroups=matmul_subgroup_lanes(self.specs) is not None,
-                                           matmul_int8_x=matmul_int8_x(self.specs),
+                                           matmul_int8_x=int8_x_form(self.specs) is not None,
                                            prefill_matrix=prefill_matrix(self.specs))
         self.names = {role: spec.name for role, spec in self.specs.items()}
         esize = DTYPE_BYTES[self.dtype]

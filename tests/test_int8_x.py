@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from attention_reference import relative_l2
-from contract.kernels import QUANTIZED_X, Role, llama_kernels, normed_x_in_prologue
+from contract.kernels import QUANTIZED_X, Role, int8_x_form, llama_kernels
 from contract.model import SYNTHETIC_CONFIGS
 from kernel_grid import (TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PROLOGUE_MATMULS, TEST_QUANTIZERS,
                          TEST_QUANTIZING_MATMUL, grid_matmul_name, grid_matmul_spec)
@@ -224,8 +224,8 @@ def test_the_normed_matmuls_quantize_x_themselves_only_where_the_codes_fit_workg
     wide = replace(eight_b, dim=8192, n_heads=64)
     for config, fits in ((eight_b, True), (wide, False)):
         specs = llama_kernels(config, "float16", 32, int8_x=True)
-        assert normed_x_in_prologue(specs) == fits
+        assert int8_x_form(specs).normed_x_in_prologue == fits
         assert all(spec.prologue_fits == fits for role, spec in specs.items() if role.startswith("norm_")
                    and role.endswith("_xi8"))
-        roles = forward_roles(True, int8_x=True, normed_x_in_prologue=normed_x_in_prologue(specs))
+        roles = forward_roles(True, int8_x=int8_x_form(specs))
         assert (Role.QUANTIZE_NORM in roles) == (not fits) and Role.QUANTIZE_MERGE in roles

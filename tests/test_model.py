@@ -15,6 +15,7 @@ from model_glue.gpu.artifact import folder_readers
 from convert.weights import load_artifact_weights, write_random_artifact
 from contract.attention import NESTS, AttentionChoice
 from contract.model import TEST_MODEL_CONFIGS
+from contract.kernels import Int8XForm
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS
 from model_glue.errors import ModelError
 from model_glue.model.generate import generate
@@ -89,7 +90,7 @@ def test_tiny_model_logits_match_reference(loop, gpu, test_library, tiny_dir, ti
     model = load(loop, gpu, test_library, tiny_dir, dtype, fold_norms=fold_norms, matmul_subgroups=matmul_subgroups,
                  matmul_int8_x=int8_x)
     assert (model.matmul_subgroup_lanes is not None) == matmul_subgroups
-    assert model.matmul_int8_x == int8_x
+    assert (model.int8_x is not None) == int8_x
     assert all(("_sg" in name) == matmul_subgroups for name in model.kernel_names.values()
                if name.startswith("matmul_decode"))
     assert any("_xi8" in model.kernels[role].name for role in model.kernels) == int8_x  # compiled: it runs
@@ -348,7 +349,7 @@ def test_the_int8_x_quantizer_merges_a_split_call(loop, gpu, test_library, tiny_
     run = loop.run_until_complete(generate(model, prompt, max_new_tokens=5, options=RunOptions(
         attention="sharded", layout="shards:4", merge_in_o=True)))  # merge_in_o gives way to the quantizer
     decode = [s for s in run.stats if s.kind == "decode"]
-    assert model.normed_x_in_prologue and not model.down_codes_from_gate_up
+    assert model.int8_x == Int8XForm(normed_x_in_prologue=True, down_codes_from_gate_up=False)
     assert {s.dispatches for s in decode} == {7 * model.config.n_layers + 3}  # + embed, head, argmax
     assert all("quantizer" in s.timing_note for s in decode if s.attention_ms is not None)
     tiny_reference.reset()

@@ -15,6 +15,7 @@ import pytest
 
 from contract.model import (ALL_MODEL_CONFIGS, SYNTHETIC_CONFIGS, codes_tensor, matrix_format, model_tensors,
                             synthetic_config_name)
+from contract.kernels import Int8XForm
 from contract.slices import is_vocab_tensor
 from convert.weights import dequant_q4, dequant_q8, dequant_q8a
 from model_glue.errors import ModelError
@@ -154,7 +155,7 @@ def test_synthetic_model_matches_reference(loop, gpu, test_library, name, overri
         options=RunOptions(max_context=512, warm_up=False, **(
             {"fold_norms": True, "matmul_subgroups": True, "matmul_int8_x": True} if int8_x else {}))))
     try:
-        assert model.down_codes_from_gate_up == model.normed_x_in_prologue == int8_x
+        assert model.int8_x == (Int8XForm(True, True) if int8_x else None)
         dense = dense_weights(loop, gpu, model)
         assert ("head" in dense) == (not model.config.tied_embeddings)
         reference = ReferenceLlama(model.config.to_dict(), dense)

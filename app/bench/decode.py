@@ -49,7 +49,7 @@ async def run_decode_bench(args) -> dict:
           f"GPU time: {'timestamps' if device.has_timestamps else 'unavailable'}; {model.config.n_layers} layers, "
           f"norms and SwiGLU {'folded' if model.options.fold_norms else 'apart'}; decode matmuls' lanes "
           f"{f'reduced by subgroup shuffles, {lanes} at a time' if lanes else 'meet in workgroup memory'}"
-          f"{', x as int8 codes' if model.matmul_int8_x else ''}", flush=True)
+          f"{', x as int8 codes' if model.int8_x else ''}", flush=True)
     width = max(len(label) for label, _, _ in modes)
     print(f"{'context':>7} {'mode':>{width}} {'prefill tok/s':>13} {'decode tok/s':>12} {'step ms':>8} "
           f"{'encode ms':>9} {'GPU ms':>7} {'attn ms':>8} {'dispatches':>10} {'ran':>16} {'prefill GPU/attn ms':>19}")

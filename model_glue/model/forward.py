@@ -12,9 +12,8 @@ from functools import lru_cache
 
 from contract.attention import AttentionChoice
 from contract.family import FAMILIES, Family
-from contract.kernels import (INT8_X_MATMULS, NORMED_INT8_X_MATMULS, POST_NORM_MATMULS, SPLIT_WORKSPACE, Matmul, Role,
-                              folded_matmuls,
-                              matmul_role, o_merge_matmul, rope_values)
+from contract.kernels import (INT8_X_MATMULS, POST_NORM_MATMULS, SPLIT_WORKSPACE, Int8XForm, Matmul, Role,
+                              folded_matmuls, matmul_role, o_merge_matmul, rope_values)
 from contract.model import codes_tensor, head_tensor, layer_rope_theta, layer_window
 from contract.slices import RowSlice
 from model_glue.gpu.webgpu import BufferSlice
@@ -24,14 +23,13 @@ from model_glue.model.pass_plan import PassPlan
 from model_glue.model.step_stats import PassStamps
 
 
-def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: bool = False,
-                  prefill_matrix: bool = False, normed_x_in_prologue: bool = False,
-                  arch: Family = FAMILIES["llama"]) -> list[str]:
+def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False, int8_x: Int8XForm | None = None,
+                  prefill_matrix: bool = False, arch: Family = FAMILIES["llama"]) -> list[str]:
     """The kernel roles `encode_forward` dispatches (contract.kernels.llama_kernels): with the norms
     and SwiGLU folded into the matmuls (GPUs) or apart (CPU rasterizers), argmax or the sampler,
     (`o_merges`: the shape has it) the o-projection that merges a split attention call,
-    (`int8_x`, with folded norms) the decode matmuls' quantizers (the normed matmuls' not where
-    `normed_x_in_prologue`: they quantize x themselves), the prefill matmuls' short tiles
+    (`int8_x`, with folded norms) the decode matmuls' int8_x builds and the quantizers their form
+    dispatches, the prefill matmuls' short tiles
     and (`prefill_matrix`, with folded norms) their subgroup-matrix builds; the family's (`arch`)
     post-norms. Only these are compiled."""
     matmuls = folded_matmuls(arch, fold_norms)
@@ -40,11 +38,8 @@ def forward_roles(fold_norms: bool, greedy: bool = True, o_merges: bool = False,
     fused = [matmul_role(Matmul.NORM_QKV_ROPE_APPEND)] if fold_norms and arch.fused_rope_append else []  # a decode step's qkv + RoPE + K/V append
     fused += [matmul_role(o_merge_matmul(arch))] if o_merges else []
     fused += [matmul_role(m) for m in POST_NORM_MATMULS.values()] if fold_norms and arch.post_norms else []
-    if int8_x and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
-        fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS]
-        quantized = [m for m in INT8_X_MATMULS if not (normed_x_in_prologue and m in NORMED_INT8_X_MATMULS)]
-        quantizers = {INT8_X_MATMULS[m] for m in quantized}
-        fused += sorted(quantizers) + [Role.QUANTIZE_MERGE]
+    if int8_x is not None and fold_norms:  # the int8_x forms of the decode matmuls and their quantizers
+        fused += [matmul_role(m, int8_x=True) for m in INT8_X_MATMULS] + int8_x.quantizers()
     prefill = [matmul_role(m, prefill=True, short=short) for short in (False, True) for m in matmuls]
     if prefill_matrix and fold_norms:
         prefill += [matmul_role(m, prefill=True, short=short, matrix=True) for m in folded_matmuls(arch, True)
@@ -291,12 +286,13 @@ def _matmul(m, enc: PassEncoder, plan: PassPlan, matmul: Matmul, weight: str, x,
     states), or (int8_x) the codes of x already written (`_codes`). `rope_io`: the RoPE + append
     epilogue's buffers, written instead of y; `y_codes`: where the epilogue also writes y's codes
     (MatmulSpec.quantizes_y); `post_norm`: (stream, the post-norm's weight, stream_out) where x is the
-    last matmul's output, normalized and added to the stream first (MatmulSpec.adds_post_norm). Where the role reads int8 codes of x (PassPlan.int8_x) and x is not
-    given as codes, its quantizer runs first, with the norm's weight, unless the matmul makes them
-    itself (PassPlan.normed_x_in_prologue: it reads x and the norm's weight)."""
+    last matmul's output, normalized and added to the stream first (MatmulSpec.adds_post_norm).
+    Where the role reads int8 codes of x (PassPlan.int8_x) and x is not given as codes, its quantizer
+    runs first, with the norm's weight, unless the matmul makes them itself (Int8XForm.quantizes_own_x:
+    it reads x and the norm's weight)."""
     w, n = m.weights, plan.n
-    int8_x = plan.int8_x and matmul in INT8_X_MATMULS
-    quantizes_x = int8_x and plan.normed_x_in_prologue and matmul in NORMED_INT8_X_MATMULS
+    int8_x = plan.int8_x is not None and matmul in INT8_X_MATMULS
+    quantizes_x = int8_x and plan.int8_x.quantizes_own_x(matmul)
     role = matmul_role(matmul, prefill=n > 1, short=plan.short_tile, matrix=plan.matrix_matmuls, int8_x=int8_x)
     given_codes = isinstance(x, dict) and "xq" in x
     reads_codes = int8_x and not quantizes_x
@@ -426,7 +422,7 @@ def _forward(m, enc, plan: PassPlan, nnz_pages: int, sampling, draw: float) -> N
             _matmul(m, enc, plan, Matmul.O_RESIDUAL, f"{p}.o", buf["attn"], x_mid, resid=x)
         # feed-forward block: x = x_mid + down(act(gate) * up of norm(x_mid)) (the family's post-norm of
         # down's output before the add)
-        down_codes = _codes(m, "ffn_") if plan.down_codes_from_gate_up else None
+        down_codes = _codes(m, "ffn_") if plan.int8_x and plan.int8_x.down_codes_from_gate_up else None
         if folds_post_norms:  # x_mid = x + norm(o's output) made first
             _matmul(m, enc, plan, Matmul.POST_NORM_GATE_UP_SWIGLU, f"{p}.gate_up", buf["normed"], buf["ffn"],
                     norm=f"{p}.ffn_norm", post_norm=(x, f"{p}.post_attn_norm", x_mid))

@@ -18,7 +18,7 @@ from array import array
 from contract.attention import AttentionChoice
 from contract.model import DTYPE_BYTES, LlamaConfig
 from contract.slices import vocab_row_bytes, vocab_slices
-from contract.kernels import (Matmul, down_codes_from_gate_up, matmul_int8_x, normed_x_in_prologue, matmul_role, matmul_subgroup_lanes,
+from contract.kernels import (Matmul, int8_x_form, matmul_role, matmul_subgroup_lanes,
                               o_merge_matmul, prefill_matrix)
 from model_glue.model.attention import AttentionKernels
 from model_glue.errors import ModelError
@@ -65,9 +65,7 @@ class LlamaModel:
         self.kernel_names = {role: spec.name for role, spec in kernel_specs.items()}
         self.kernel_values = {role: spec.values for role, spec in kernel_specs.items()}
         self.matmul_subgroup_lanes = matmul_subgroup_lanes(kernel_specs)  # lanes reduced by shuffles, or None
-        self.matmul_int8_x = matmul_int8_x(kernel_specs)  # decode matmuls read int8 codes of x (with folded norms)
-        self.down_codes_from_gate_up = down_codes_from_gate_up(kernel_specs)  # ... down's from gate/up's epilogue
-        self.normed_x_in_prologue = normed_x_in_prologue(kernel_specs)  # ... qkv's and gate/up's their own
+        self.int8_x = int8_x_form(kernel_specs)  # decode matmuls on int8 codes of x (with folded norms), or None
         # prefill matmuls on subgroup matrices are loaded; if not, why not (RunOptions.prefill_matrix)
         self.has_prefill_matrix = prefill_matrix(kernel_specs)
         self.prefill_matrix_why_not = None if self.has_prefill_matrix else prefill_matrix_why_not
@@ -128,8 +126,7 @@ class LlamaModel:
     async def compile_roles(self, fold_norms: bool, greedy: bool = True) -> None:
         """Compile the model kernels a forward pass with these folds and this token choice runs."""
         roles = forward_roles(fold_norms, greedy, o_merges=matmul_role(o_merge_matmul(self.config.arch)) in self.kernel_names,
-                              int8_x=self.matmul_int8_x, prefill_matrix=self.has_prefill_matrix,
-                              normed_x_in_prologue=self.normed_x_in_prologue, arch=self.config.arch)
+                              int8_x=self.int8_x, prefill_matrix=self.has_prefill_matrix, arch=self.config.arch)
         wanted = [role for role in roles if role not in self.kernels]
         self.kernels.update(zip(wanted, await self.library.kernels(self.kernel_names[r] for r in wanted)))
 
@@ -237,8 +234,8 @@ class LlamaModel:
         dispatch); the prefill matmuls' builds and token tile."""
         run, context = self.run, start + n
         attention = self._choose([context]) if n == 1 else self.prefill_attention(n, start)
-        int8_x = self.matmul_int8_x and n == 1 and run.fold_norms
-        quantizer_merges = attention.split and int8_x
+        int8_x = self.int8_x if n == 1 and run.fold_norms else None
+        quantizer_merges = attention.split and int8_x is not None
         window = self.window_attention(n, start, attention)
         # every layer's call split alike (a window layer's may run unsplit, the tiled nest): only then o merges
         splits_alike = window is None or window.split
@@ -248,9 +245,7 @@ class LlamaModel:
         matrix = n > 1 and self.runs_prefill_matrix()
         return PassPlan(n, attention, greedy, run.fold_norms, one_pass=not self._times_attention(n, context),
                         window_attention=window,
-                        o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x,
-                        down_codes_from_gate_up=int8_x and self.down_codes_from_gate_up,
-                        normed_x_in_prologue=int8_x and self.normed_x_in_prologue, matrix_matmuls=matrix,
+                        o_merges=o_merges, quantizer_merges=quantizer_merges, int8_x=int8_x, matrix_matmuls=matrix,
                         short_tile=n > 1 and short_token_tile(n, matrix))
 
     def attention_kernels(self, choice: AttentionChoice, window: bool = False) -> list:

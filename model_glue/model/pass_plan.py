@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from contract.attention import MATRIX_PREFILL, AttentionChoice
-from contract.kernels import PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS
+from contract.kernels import PREFILL_TOKEN_TILE, SHORT_PREFILL_TOKENS, Int8XForm
 
 # A prefill pass's attention on subgroup matrices (kernels.prefill_attention_matrix)
 PREFILL_ON_MATRICES = AttentionChoice("prefill", MATRIX_PREFILL)
@@ -31,9 +31,7 @@ class PassPlan:
     one_pass: bool = False  # one compute pass, attention untimed (RunOptions.time_attention_every)
     o_merges: bool = False  # the o-projection merges the split call's partial states
     quantizer_merges: bool = False  # ... or the o-projection's int8 quantizer does
-    int8_x: bool = False  # the decode matmuls read int8 codes of x (MatmulSpec.int8_x)
-    down_codes_from_gate_up: bool = False  # ... and gate/up's epilogue writes down's (MatmulSpec.quantizes_y)
-    normed_x_in_prologue: bool = False  # ... and qkv's and gate/up's prologues make theirs (MatmulSpec.quantizes_x)
+    int8_x: Int8XForm | None = None  # the decode matmuls read int8 codes of x (MatmulSpec.int8_x), made where it says
     matrix_matmuls: bool = False  # the prefill matmuls' subgroup-matrix builds (MatmulSpec.matrix)
     short_tile: bool = False  # the prefill matmuls' short token tile
     window_attention: AttentionChoice | None = None  # the sliding-window layers' (a model with them)
