@@ -79,6 +79,24 @@ HOOKS_PATH = "hooks/"
 SERVED_MODELS = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
 
 
+def error_help() -> dict[str, str]:
+    """The errors a user can act on, by the Python class the page receives (its `type`), and what to
+    do about each: static/faults.js shows it under the error. tests/test_page_boundary.py checks that
+    each names a class the runtime raises."""
+    from chat.page import NVIDIA_F16_FLAG  # chat.page imports the WebGPU seam
+
+    f32_models = "?model=smollm2 or ?model=gemma3 (float32 kernels)"
+    return {
+        "NeedsShaderF16": "This adapter has no shader-f16 and this model runs in float16 only. Chromium on "
+                          f"NVIDIA withholds it unless started with {NVIDIA_F16_FLAG}; or open {f32_models}.",
+        "AdapterLimitError": f"This GPU's limits are below what this model needs: open {f32_models}.",
+        "WebGPUUnavailable": "Use a Chromium-based browser with WebGPU (on Linux: --enable-unsafe-webgpu).",
+        "ArtifactError": "The model's files on this server are missing or damaged: run `make setup` again and "
+                         "reload (a copy in this browser's cache that fails its check is dropped and fetched again).",
+        "GGUFError": "The file is not a GGUF this page reads, or it is cut short; the model loaded before is kept.",
+    }
+
+
 def constants() -> dict:
     """What the page would otherwise copy from the runtime (name -> JSON value)."""
     from chat.page import LAB_MAX_ITERS  # chat.page imports the WebGPU seam
@@ -87,7 +105,7 @@ def constants() -> dict:
     run_options = [name for name in option_kinds() if name != "max_context"]
     return {"SWITCH_AT": TILED_MAX_CONTEXT, "STOPPED_IN_PREFILL": STOPPED_IN_PREFILL,
             "DEFAULT_MAX_NEW_TOKENS": DEFAULT_MAX_NEW_TOKENS, "MAX_TOP_K": MAX_TOP_K, "LAB_MAX_ITERS": LAB_MAX_ITERS,
-            "RUN_OPTION_NAMES": run_options, "SERVED_MODELS": SERVED_MODELS}
+            "RUN_OPTION_NAMES": run_options, "SERVED_MODELS": SERVED_MODELS, "ERROR_HELP": error_help()}
 
 
 def page_api_js() -> str:

@@ -20,7 +20,7 @@ from contract.model import (ALL_MODEL_CONFIGS, DEFAULT_CONTEXT_LENGTH, DTYPE_BYT
                             synthetic_config_name)
 from contract.slices import VOCAB_SLICE_ROWS, is_vocab_tensor, vocab_slice_bytes
 from model_glue.model.attention import AttentionKernels, resolve_attention_kernels
-from model_glue.errors import ModelError
+from model_glue.errors import ModelError, NeedsShaderF16
 from model_glue.gpu.kernel import unmet_limits
 from model_glue.model.kv_cache import PagedKVCache
 from model_glue.model.llama import LlamaModel
@@ -28,7 +28,7 @@ from model_glue.options import RunOptions
 from model_glue.policy import (TILED_MAX_CONTEXT, layout_rank, pick_matmul_int8_x, pick_matmul_subgroup_lanes,
                                pick_prefill_matrix, why_no_prefill_matrix)
 from model_glue.model.scratch import scratch_sizes
-from model_glue.formats.gguf_file import GGUFError, read_header
+from model_glue.formats.gguf_file import read_header
 from model_glue.formats.gguf_model import (ROPE_FREQS, llama_config, parse_f32, shape_name, tensor_plan,
                                            with_matrix_formats, with_rope_scaling,
                                            context_length as gguf_context_length)
@@ -107,10 +107,7 @@ async def load_gguf_model(device, library, read, file_size: int, *, options: Run
     every tensor checked (model_glue.formats.gguf_model) before any upload, then each tensor's raw blocks are
     uploaded and repacked to the runtime's Q4/Q8/Q8A on the GPU (kernels.gguf_repack). `header`: the
     file's, where the caller has read it already."""
-    try:
-        header = header or await read_header(read, file_size)
-    except GGUFError as err:
-        raise ModelError(str(err)) from err
+    header = header or await read_header(read, file_size)
     config_name, config = await gguf_config(header, read)
     plan = tensor_plan(header, config)
     loader = _Loader(device, library, config_name, config, options, dtype, gguf_context_length(header),
@@ -149,7 +146,7 @@ class _Loader:
         self.options = options.resolved(is_cpu=device.is_cpu, context_length=context_length)
         self.dtype = dtype or default_dtype(device, config)
         if self.dtype == "float16" and not device.has_f16:
-            raise ModelError(f"{device.adapter_name} has no shader-f16; use float32")
+            raise NeedsShaderF16(f"{device.adapter_name} has no shader-f16; use float32")
         if self.dtype == "float16" and not config.arch.f16_activations:
             raise ModelError(f"the {config.family} family's activations overflow float16 (contract.family); "
                              "it runs in float32")
@@ -259,8 +256,10 @@ def model_kernel_specs(library, config: LlamaConfig, dtype: str, device=None, ma
         return specs
     other = "float16" if dtype == "float32" else "float32"
     if all(spec.name in library.specs for spec in llama_kernels(config, other).values()):
-        why = f": {device.adapter_name} has no shader-f16" if device is not None and not device.has_f16 else ""
-        raise ModelError(f"this model's shape has kernels for {other} only, not {dtype}{why}")
+        if device is not None and not device.has_f16 and other == "float16":
+            raise NeedsShaderF16(f"this model's shape has kernels for float16 only, not float32: "
+                                 f"{device.adapter_name} has no shader-f16")
+        raise ModelError(f"this model's shape has kernels for {other} only, not {dtype}")
     fields = sorted({_compiled_for(role, config) for role in missing})
     served = sorted(name for name, c in ALL_MODEL_CONFIGS.items()
                     if all(spec.name in library.specs for spec in llama_kernels(c, dtype).values()))

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from model_glue.errors import ModelError
 from model_glue.formats.chat_template import SMOLLM2_TEMPLATE, ChatTemplate, chat_template
-from model_glue.formats.gguf_file import GGUFError, read_header
+from model_glue.formats.gguf_file import read_header
 from model_glue.formats.gguf_tokenizer import tokenizer_from_gguf
 from model_glue.formats.tokenizer import BPETokenizer
 from model_glue.loading import load_gguf_model, load_model, load_synthetic_model
@@ -93,10 +93,7 @@ async def _open_artifact(device, library, source: Artifact, options, dtype, prog
 
 async def _open_gguf(device, library, source: GGUFFile, options, dtype, progress) -> OpenedModel:
     progress("reading the GGUF header")
-    try:
-        header = await read_header(source.read, source.size)
-    except GGUFError as err:
-        raise ModelError(str(err)) from err
+    header = await read_header(source.read, source.size)
     tokenizer = tokenizer_from_gguf(header.metadata)
     template = _noted(chat_template(header.get("tokenizer.chat_template")), progress)
     model = await load_gguf_model(device, library, source.read, source.size, options=options, dtype=dtype,

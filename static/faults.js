@@ -1,5 +1,6 @@
 // What goes wrong, said plainly: Python errors, a failed start, a lost GPU device, and main-thread
 // tasks long enough to freeze the page (recorded for the tests).
+import { ERROR_HELP } from "./page_api.js";
 import { $, state } from "./ui.js";
 
 // Main-thread tasks over 50 ms (the browser's definition), to check that a reply keeps the page usable.
@@ -20,12 +21,33 @@ export function errorText(err) {
   return last.replace(/^[\w.]*\.(\w+: )/, "$1");
 }
 
-export function fail(message) {
+// What the user can do about an error, where its kind is one the runtime names (chat.api.error_help):
+// the Python class it came from, else null.
+export function errorKind(err) {
+  return err && Object.hasOwn(ERROR_HELP, err.type) ? err.type : null;
+}
+
+// An error in the status panel (`err`, the error itself where there is one: its kind's help shown below).
+export function showError(message, err = null) {
+  const kind = errorKind(err);
+  $("error").textContent = message;
+  $("error").hidden = false;
+  $("error-help").textContent = kind ? ERROR_HELP[kind] : "";
+  $("error-help").hidden = !kind;
+  state.errorKind = kind;
+}
+
+export function hideError() {
+  $("error").hidden = true;
+  $("error-help").hidden = true;
+  state.errorKind = null;
+}
+
+export function fail(message, err = null) {
   for (const li of $("progress").querySelectorAll("li.active")) li.className = "";
   $("status-details").open = true;
   $("status-summary").textContent = "failed";
-  $("error").textContent = message;
-  $("error").hidden = false;
+  showError(message, err);
   state.error = message;
 }
 

@@ -8,7 +8,7 @@ import { compare, fillLongDocument, finishReply, addMessage, missesText, newChat
 import { ClockWarm, HOLD_MS } from "./clock_warm.js";
 import { exportSteps } from "./export.js";
 import { keeper } from "./gguf_keeper.js";
-import { deviceLost, errorText, fail, watchLongTasks } from "./faults.js";
+import { deviceLost, errorText, fail, hideError, showError, watchLongTasks } from "./faults.js";
 import { setUpLab } from "./lab.js";
 import { DEFAULT_MAX_NEW_TOKENS, LAB_MAX_ITERS, MAX_TOP_K, SERVED_MODELS, SWITCH_AT } from "./page_api.js";
 import { PythonWorker } from "./python.js";
@@ -248,7 +248,7 @@ async function openGguf(app, file, cached = null) {
     const ready = readyText(info);
     step(`Ready: ${ready}.`);
     finishSteps(`ready: ${ready} (click for the loading steps)`);
-    $("error").hidden = true;
+    hideError();
     state.openingGguf = false;
     setBusy(false);
     if (!cached && cacheAvailable()) keepGguf(file);  // in the background: the chat is ready now
@@ -256,8 +256,7 @@ async function openGguf(app, file, cached = null) {
     const message = `Cannot open ${name}: ${errorText(err)}`;
     step(message);
     finishSteps();
-    $("error").textContent = `${message} The model loaded before is still here.`;
-    $("error").hidden = false;
+    showError(`${message} The model loaded before is still here.`, err);
   } finally {
     state.openingGguf = false;
     $("open-gguf").disabled = false;
@@ -386,4 +385,4 @@ async function boot() {
   state.chatReady = true;
 }
 
-boot().catch((err) => fail(`Startup failed: ${errorText(err)}`));
+boot().catch((err) => fail(`Startup failed: ${errorText(err)}`, err));

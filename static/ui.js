@@ -15,7 +15,7 @@ export const URL_RUN_OPTIONS = Object.fromEntries([...new URLSearchParams(locati
 // model's applied options and dtype (chat.page.chat_info; the runtime's constants are in page_api.js).
 // model: what the page runs (main.js nameModel); comparisons: every finished comparison (the JSON export).
 export const state = window.demoState = { ready: false, chatReady: false, busy: false, steps: [], replies: [],
-  comparisons: [], deviceLost: null, longTasks: [], info: null, model: null };
+  comparisons: [], deviceLost: null, longTasks: [], info: null, model: null, errorKind: null };
 
 export const fmt = (value, digits = 1) => (value === null || value === undefined ? "–" : value.toFixed(digits));
 export const MiB = (bytes) => (bytes / 2 ** 20).toFixed(1);

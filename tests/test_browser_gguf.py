@@ -88,6 +88,8 @@ def test_open_a_gguf_then_a_truncated_one(browser, server, tmp_path):
                               timeout=TIMEOUT_MS)
         error = tab.inner_text("#error")
         assert "Cannot open cut.gguf" in error and "truncated" in error and "still here" in error, error
+        assert tab.evaluate("window.demoState.errorKind") == "GGUFError"  # a kind the page tells the user about
+        assert "not a GGUF this page reads, or it is cut short" in tab.inner_text("#error-help")
         assert tab.inner_text("header h1") == f"{name} in your browser"  # the model still loaded
         chat_once(tab, "again", 4)
         assert tab.console_errors == [] and tab.http_errors == []

@@ -51,6 +51,9 @@ def test_a_shape_this_adapter_cannot_run_is_refused_with_the_reason(browser, ser
         error = tab.evaluate("window.demoState.error")
         assert error and "float16 only" in error and "shader-f16" in error, error
         assert "float16 only" in tab.inner_text("#error")
+        assert tab.evaluate("window.demoState.errorKind") == "NeedsShaderF16"  # what to do, below the error
+        help_text = tab.inner_text("#error-help")
+        assert "--enable-dawn-features=vulkan_enable_f16_on_nvidia" in help_text and "?model=smollm2" in help_text
         assert tab.inner_text("header h1") == "llama-3.1-8b shape, random weights in your browser"  # as asked for
     finally:
         tab.close()

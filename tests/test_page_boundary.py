@@ -246,3 +246,29 @@ def test_the_docs_name_nothing_outside_the_checkout():
         found = re.findall(r"\.\./\S*|\.cr/\S*|gpu-bundle\S*|gpu_page\S*|gpu-page\S*|tools/gpu_lab\S*",
                            (ROOT / name).read_text(encoding="utf-8"))
         assert not found, f"{name} names {found}"
+
+
+def test_each_error_the_page_helps_with_is_a_class_the_runtime_raises():
+    """chat.api.error_help's keys are the Python classes the page receives as an error's `type`: each
+    is an exception class of the wheel's packages, and the shader-f16 refusal is one of them."""
+    import importlib
+    import pkgutil
+
+    from chat.api import error_help
+    from model_glue.errors import NeedsShaderF16
+
+    classes = {}
+    for package in ("contract", "model_glue", "chat"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, package + "."):
+            try:
+                module = importlib.import_module(info.name)
+            except ModuleNotFoundError as err:  # the modules that run only in Pyodide
+                assert err.name in ("js", "pyodide"), err
+                continue
+            classes.update({name: value for name, value in vars(module).items()
+                            if isinstance(value, type) and issubclass(value, Exception)
+                            and value.__module__.split(".")[0] in ("contract", "model_glue", "chat")})
+    help_for = error_help()
+    assert set(help_for) <= set(classes), set(help_for) - set(classes)
+    assert NeedsShaderF16.__name__ in help_for and all(text.endswith(".") for text in help_for.values())

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from contract.gguf import GGML_TYPES_BY_ID, type_name
+from model_glue.errors import ModelError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -24,8 +25,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFError(ValueError):
-    """The file is not a GGUF this runtime reads, or it is truncated."""
+class GGUFError(ModelError, ValueError):
+    """The file is not a GGUF this runtime reads, or it is truncated (a kind the page names: chat.api)."""
 
 
 class _NeedMore(Exception):
