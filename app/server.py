@@ -3,7 +3,8 @@
 Loopback by default, explicit MIME types for what Pyodide fetches, no directory listings, and
 nothing outside the served folder (`..` in any spelling is refused before the filesystem is
 touched). The tests and the page benchmark also serve the test hooks (`hooks=True`: app/hooks/
-under /hooks/, which the page's worker imports when the URL asks, e.g. ?hooks=python); `app serve`
+under /hooks/, which the page's worker imports when the URL asks, e.g. ?hooks=python, and the page
+benchmarks' modules, app/page_bench/, under /hooks/page_bench/ for ?hooks=bench); `app serve`
 never does, so the served page has no way to run code it was sent.
 """
 
@@ -19,6 +20,9 @@ HOOKS_DIR = Path(__file__).resolve().parent / "hooks"  # test hooks: served only
 # Where the worker (at the served root) imports them from: chat.api.HOOKS_PATH (not imported: this
 # server runs without the run side; tests/test_page_boundary.py checks they agree).
 HOOKS_URL = "/hooks/"
+# the page benchmarks' package (app/page_bench), which the bench hook copies into the worker
+PAGE_BENCH_DIR = Path(__file__).resolve().parent / "page_bench"
+PAGE_BENCH_URL = HOOKS_URL + "page_bench/"
 
 MIME_TYPES = {
     ".wasm": "application/wasm",
@@ -60,6 +64,9 @@ class StaticHandler(SimpleHTTPRequestHandler):
     def translate_path(self, path):
         # send_head has refused `..` already; a hook is a file directly in the hooks folder
         clean = unquote(urlsplit(path).path)
+        if self.hooks is not None and clean.startswith(PAGE_BENCH_URL) and clean.endswith(".py") \
+                and "/" not in clean[len(PAGE_BENCH_URL):]:
+            return str(PAGE_BENCH_DIR / clean[len(PAGE_BENCH_URL):])
         if self.hooks is not None and clean.startswith(HOOKS_URL) and "/" not in clean[len(HOOKS_URL):]:
             return str(self.hooks / clean[len(HOOKS_URL):])
         return super().translate_path(path)

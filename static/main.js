@@ -319,9 +319,10 @@ async function boot() {
   python.on["device-lost"] = (message) => deviceLost(message, setBusy);
   const booted = await python.call("boot", { hooks: HOOKS }, { progress: step });
   // The test hooks' calls (app/hooks/), for the tests and benchmarks only: window.demo.python runs
-  // Python in the worker with `page`, `session` and `chat` in scope. The page's own code never uses them.
+  // Python in the worker with `page`, `session` and `chat` in scope, window.demo.bench a page benchmark
+  // (app/page_bench). The page's own code never uses them.
   python.hooks = booted.hooks;
-  window.demo = Object.fromEntries(booted.hooks.map((name) => [name, (code, values) => python.call(name, { code, values })]));
+  window.demo = Object.fromEntries(booted.hooks.map((name) => [name, (arg, values) => python.call(name, { arg, values })]));
   step("Opening WebGPU and reading the kernel manifest…");
   const device = await openSession(python);
   step("Self-test: running a TVM-built kernel…");

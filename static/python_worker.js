@@ -49,7 +49,7 @@ const own = {
         throw new Error(`the page asked for the test hook "${name}", which this server does not serve ` +
           `(python -m app serve never does): ${err.message || err}`);
       }
-      Object.assign(hookCalls, hook.install({ pyodide, page, handles }));
+      Object.assign(hookCalls, await hook.install({ pyodide, page, handles }));
     }
     return { hooks: Object.keys(hookCalls) };
   },

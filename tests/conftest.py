@@ -159,7 +159,10 @@ def run_comparison(tab, max_tokens: int, timeout_ms: int, prompt: str | None = N
 
 
 def with_hooks(url: str) -> str:
-    """`url` asking for the test hook `python` (window.demo.python: Python run in the page's worker)."""
+    """`url` asking for the test hook `python` (window.demo.python: Python run in the page's worker),
+    unless it names its hooks itself (e.g. hooks=python,bench: window.demo.bench too)."""
+    if "hooks=" in url:
+        return url
     return url + ("&" if "?" in url else "?") + "hooks=python"
 
 

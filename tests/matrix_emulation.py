@@ -13,7 +13,7 @@ half its columns), so:
 - multiply-accumulate is 16 scalar FMAs a result entry: f16 products in f32, as the hardware's.
 Everything else (staging, dequantization, softmax, the epilogues, the edges of the grid) is the
 kernels' own code, so the emulated kernels check all of it against f64; the builtins' own semantics
-are checked on a GPU that has them (`python -m app bench page --prefill`: chat.prefill_check).
+are checked on a GPU that has them (`python -m app bench page --prefill`: app.page_bench.prefill_check).
 """
 
 from __future__ import annotations

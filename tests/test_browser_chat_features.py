@@ -17,9 +17,9 @@ REPLY_TIMEOUT_MS = 300_000
 SCREENSHOTS = ROOT / "docs" / "screenshots"  # git-ignored: rewritten by every run
 
 
-def open_chat(browser, server):
-    tab = open_page(browser, server + "/?model=tiny_chat", "window.demoState.chatReady || window.demoState.error",
-                    LOAD_TIMEOUT_MS)
+def open_chat(browser, server, hooks: str = "python"):
+    tab = open_page(browser, server + f"/?model=tiny_chat&hooks={hooks}",
+                    "window.demoState.chatReady || window.demoState.error", LOAD_TIMEOUT_MS)
     assert tab.evaluate("window.demoState.chatReady"), tab.evaluate("window.demoState.error")
     return tab
 
@@ -39,8 +39,9 @@ def send(tab, text, max_tokens):
 
 @pytest.fixture(scope="module")
 def tab(browser, server):
-    """The module's page, opened on an empty cache: it downloads the weights and caches them."""
-    tab = open_chat(browser, server)
+    """The module's page, opened on an empty cache: it downloads the weights and caches them; with the
+    page benchmarks' hook (window.demo.bench) beside window.demo.python."""
+    tab = open_chat(browser, server, hooks="python,bench")
     assert tab.evaluate("window.demoState.weights.source") == "network"
     assert len(weights_requests(tab)) == 1
     yield tab
@@ -85,6 +86,19 @@ def test_the_clock_warm_is_on_by_default_on_a_gpu_adapter_and_off_when_asked(tab
         return on;
     }""")
     assert chosen == {"null gpu": True, "off gpu": False, "null cpu": False, "on cpu": True, "off cpu": False}, chosen
+
+
+def test_the_page_benchmarks_run_through_their_hook_not_through_source_strings(tab):
+    """window.demo.bench (app/hooks/bench.js) runs app.page_bench's calls in the worker, where that
+    package was copied at boot (the wheel does not hold it): the decode encode benchmark, Python-encoded
+    and replayed, gives the same greedy ids; an unknown name is refused with the list."""
+    runs = {replay: tab.evaluate("(replay) => window.demo.bench('decode_encode_benchmark', {steps: 3, replay})", replay)
+            for replay in (False, True)}
+    assert runs[False]["token_ids"] == runs[True]["token_ids"] and len(runs[True]["encode_ms"]) == 3, runs
+    assert runs[True]["replayed_by"] and not runs[False]["replayed_by"]
+    assert tab.evaluate("window.demo.bench('prefill_builds', {})") == {"dtype": "float32", "matrix": False}
+    refused = tab.evaluate("window.demo.bench('no_such', {}).then(() => null, (err) => String(err.message))")
+    assert "no page benchmark 'no_such'" in refused and "decode_encode_benchmark" in refused, refused
 
 
 def test_a_corrupted_cache_entry_is_dropped_and_fetched_again_and_the_cache_can_be_cleared(tab, browser, server):

@@ -162,8 +162,8 @@ def test_a_matmul_gate_is_one_key():
 
 
 def test_the_pages_prefill_check_gates_with_the_familys_activation():
-    """chat.prefill_check's float64 reference of a gated matmul uses the spec's activation (GeGLU too)."""
-    from chat.prefill_check import _activation
+    """app.page_bench.prefill_check's float64 reference of a gated matmul uses the spec's activation (GeGLU too)."""
+    from app.page_bench.prefill_check import _activation
     from model_reference import ACTIVATIONS
 
     gates = np.linspace(-6, 6, 25)

@@ -133,3 +133,10 @@ def test_the_page_copies_no_python_constant():
         calls = set(re.findall(r"\bpage\.(\w+)\(", text))
         import chat.page
         assert calls <= set(dir(chat.page)), f"{path.name} calls {sorted(calls - set(dir(chat.page)))}"
+
+
+def test_the_bench_hook_copies_every_module_of_the_page_benchmarks():
+    """app/hooks/bench.js copies app.page_bench.FILES into the page's worker: every module of the package."""
+    from app.page_bench import FILES
+
+    assert sorted(FILES) == sorted(p.name for p in (ROOT / "app" / "page_bench").glob("*.py"))

@@ -1,6 +1,6 @@
 """The prefill pass on subgroup matrices (kernels.prefill_matmul_matrix, kernels.prefill_attention_matrix):
 where the loader picks the builds, what the build checks of their WGSL, the tiny model running them
-and the page's check of them (chat.prefill_check) with the builtins emulated (tests/matrix_emulation.py:
+and the page's check of them (app.page_bench.prefill_check) with the builtins emulated (tests/matrix_emulation.py:
 the tests' adapter has no subgroup matrices; a GPU that has them runs the same check through
 `python -m app bench page --prefill` or tools/gpu_prefill.py).
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from chat.page import prefill_matmuls_note
-from chat.prefill_check import check_prefill_kernels
+from app.page_bench.prefill_check import check_prefill_kernels
 from contract.attention import MATRIX_PREFILL
 from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, AttentionSpec, MatmulSpec, llama_kernels, matrix_roles
 from contract.model import MODEL_CONFIGS, TEST_MODEL_CONFIGS
@@ -208,7 +208,7 @@ def test_a_request_for_matrix_builds_the_model_did_not_load_is_refused(loop, gpu
 
 def test_the_pages_check_passes_the_emulated_builds_and_catches_a_wrong_one(loop, gpu, test_library,
                                                                            test_artifact_dir, tiny_dir):
-    """chat.prefill_check (what `bench page --prefill` runs on a GPU with subgroup matrices) checks every
+    """app.page_bench.prefill_check (what `bench page --prefill` runs on a GPU with subgroup matrices) checks every
     prefill build of the tiny f16 model against float64: all pass here, emulated; with the matrix
     attention's softmax scale broken (the f64 reference must see it), its rows fail and only its."""
     model = tiny_on_emulated_matrices(loop, gpu, test_library, test_artifact_dir, tiny_dir, warm_up=False)

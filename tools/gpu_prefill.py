@@ -3,8 +3,8 @@
 
 After gpu_page.py's `receive` (pieces 1-2; 3-4 too for smollm2) and `gl` steps, on the GPU machine:
   python3 tools/gpu_prefill.py [--models synthetic:llama-3.1-8b,...] [--set blog-f16] [--rounds 2]
-For each model it opens the page (?model=M&hooks=python) and, in the page's Python worker
-(chat.prefill_check): checks every prefill kernel build the model runs (matmuls and attention)
+For each model it opens the page (?model=M&hooks=python,bench) and, in the page's Python worker
+(app/page_bench/prefill_check.py, copied into the worker by ?hooks=bench): checks every prefill kernel build the model runs (matmuls and attention)
 against float64, times each at full size, runs the prefill benchmark with the subgroup-matrix builds and the scalar kernels in
 turn (`--rounds` times each, alternating), and for real weights compares the two builds' greedy
 replies to the long document. Writes $OUT/prefill-<model>.json and prints a table.
@@ -38,14 +38,14 @@ def run(model: str, flag_set: str, rounds: int, tokens: str, timeout: float, agr
     out: dict = {"model": model, "flag_set": flag_set}
     try:
         tab = browser.new_tab()
-        tab.goto(f"{base}/?model={model}&context={context}&hooks=python")
+        tab.goto(f"{base}/?model={model}&context={context}&hooks=python,bench")
         tab.wait("window.demoState && (window.demoState.chatReady || window.demoState.error)", timeout)
         if tab.eval("window.demoState.error || null"):
             raise RuntimeError(tab.eval("window.demoState.error"))
         out["load_s"] = round(time.time() - tab.t0, 2)
         out["device"] = tab.eval("window.demoState.device")
         out["adapter_panel"] = tab.eval("document.getElementById('adapter').innerText")
-        setup = "import json, chat.prefill_check as pc; model = chat.model\n"
+        setup = "import json, page_bench.prefill_check as pc; model = chat.model\n"
         out["loaded"] = in_page(tab, setup + "json.dumps({'dtype': model.dtype, 'matrix': model.has_prefill_matrix, "
                                 "'why_not': model.prefill_matrix_why_not})", 60)
         print(f"{model}: {json.dumps(out['loaded'])}", flush=True)
@@ -154,7 +154,7 @@ def diagnose_attention(tab, timeout: float) -> tuple[list[dict], tuple[str, str]
     the kernel's own code on plain WGSL, so a fault in its logic or races shows apart from one in how
     the builtins behave here), with one fragment chain emulated at a time, and the variants
     tools/diag/make_variants.py wrote for this kernel (tools/diag/<variant>__<kernel>.wgsl)."""
-    setup = ("import json, asyncio, chat.prefill_check as pc; from model_glue.gpu.kernel import Kernel\n"
+    setup = ("import json, asyncio, page_bench.prefill_check as pc; from model_glue.gpu.kernel import Kernel\n"
              "model = chat.model\n"
              "name = model.attention.prefill_matrix\n")
     info = in_page(tab, setup + "json.dumps({'name': name, 'wgsl': model.library.specs[name].wgsl})", 60)

@@ -11,11 +11,11 @@ Playwright (headless), and drives the page as a user does, reading what it repor
   agreement and its misses' margins (near-ties or not), the median attention time of each nest past
   the switch and their ratio;
 - the host's time to encode a decode step, Python through Pyodide's proxies against the recorded
-  passes replayed by one call into JS (chat.page.decode_encode_benchmark);
+  passes replayed by one call into JS (app.page_bench.decode);
 - main-thread long tasks over the visit.
 With `--prefill 512,1536,...` it also checks the loaded model's prefill matmuls against f64, times each
 build, and runs the prefill at those prompt lengths (and two short follow-up turns), the subgroup-matrix
-builds and the scalar kernels in turn (chat.prefill_check).
+builds and the scalar kernels in turn (app.page_bench.prefill_check).
 With `--lab` it runs the page's kernel lab instead (?model=off): decode attention per layer, tiled
 against the sharded family, every row checked against the page's float64 reference, then timed.
 
@@ -192,9 +192,7 @@ class PageDriver:
         """`steps` decode steps encoded by Python, then replayed by one JS call (the same greedy ids)."""
         modes = {}
         for replay in (False, True):
-            run = json.loads(self.tab.evaluate(
-                "([steps, replay]) => window.demo.python('await page.decode_encode_benchmark("
-                "chat, values[\"steps\"], values[\"replay\"])', {steps, replay})", [steps, replay]))
+            run = self.bench("decode_encode_benchmark", steps=steps, replay=replay)
             encode = run["encode_ms"][1:]  # the first decode step records the passes
             modes["replay" if replay else "python"] = {
                 **run, "encode_median_ms": statistics.median(encode), "encode_worst_ms": max(encode),
@@ -209,10 +207,8 @@ class PageDriver:
         runs = {depth: [] for depth in depths}
         for _ in range(rounds):
             for depth in depths:
-                run = json.loads(self.tab.evaluate(
-                    "([steps, context, depth]) => window.demo.python('await page.decode_encode_benchmark(chat, "
-                    "values[\"steps\"], True, values[\"context\"], values[\"depth\"])', {steps, context, depth})",
-                    [steps, context, depth]))
+                run = self.bench("decode_encode_benchmark", steps=steps, replay=True, context=context,
+                                 pipeline_depth=depth)
                 gaps = [g for g in run["gpu_gap_ms"] if g is not None]
                 runs[depth].append({"decode_tok_s": run["decode_tok_s"], "step_median_ms": _median(run["step_ms"]),
                                     "gpu_median_ms": _median(run["gpu_ms"]), "gap_median_ms": _median(gaps),
@@ -221,22 +217,20 @@ class PageDriver:
 
     def prefill(self, tokens: list[int], rounds: int = 2, document: str | None = None) -> dict:
         """The loaded model's prefill kernels checked against f64 and timed per build, then the prefill
-        benchmark (chat.prefill_check) with the subgroup-matrix builds and the scalar kernels in turn,
-        and with a `document` (real weights) both paths' greedy replies to it."""
-        def python(code: str):
-            return json.loads(self.tab.evaluate("(code) => window.demo.python(code)", code))
-
-        setup = "import json, chat.prefill_check as pc\n"
-        result = {"check": python(setup + "json.dumps(await pc.check_prefill_kernels(chat.model))"),
-                  "timed": python(setup + "json.dumps(await pc.time_prefill_kernels(chat.model))"), "runs": []}
-        builds = (True, False) if python(setup + "json.dumps(chat.model.has_prefill_matrix)") else (False,)
+        benchmark (app.page_bench.prefill_check) with the subgroup-matrix builds and the scalar kernels in
+        turn, and with a `document` (real weights) both paths' greedy replies to it."""
+        result = {"check": self.bench("check_prefill_kernels"), "timed": self.bench("time_prefill_kernels"), "runs": []}
+        builds = (True, False) if self.bench("prefill_builds")["matrix"] else (False,)
         for _ in range(rounds):
             for matrix in builds:
-                result["runs"].append(python(setup + f"json.dumps(await pc.prefill_benchmark(chat.model, "
-                                                     f"tokens={tuple(tokens)!r}, matrix={matrix}))"))
+                result["runs"].append(self.bench("prefill_benchmark", tokens=list(tokens), matrix=matrix))
         if document and len(builds) == 2:
-            result["agreement"] = python(setup + f"json.dumps(await pc.matrix_agreement(chat, {json.dumps(document)}))")
+            result["agreement"] = self.bench("matrix_agreement", text=document)
         return result
+
+    def bench(self, name: str, **values):
+        """A page benchmark (app.page_bench.CALLS[name]) in the page's worker, through the bench hook."""
+        return self.tab.evaluate("([name, values]) => window.demo.bench(name, values)", [name, values])
 
     def lab(self, contexts: list[int] | None, iters: int | None) -> dict:
         """The kernel lab (?model=off), as its Run button runs it: every row f64-checked, then timed;
@@ -390,7 +384,7 @@ def run_page_bench(args) -> dict:
     model = "off" if args.lab else args.model
     context = {"context": args.context} if args.context else {}  # the page's ?context= (its default: 4,096)
     warm = {"warm": args.warm} if args.warm else {}
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python", **context,
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/?" + urlencode({"model": model, "hooks": "python,bench", **context,
                                                                         **warm, **given_options(args)}, safe=":,")
     result = {"url": url, "chromium": chromium, "flags": flags, "tokens": tokens, "long_chars": long_chars,
               "switch_at": constants()["SWITCH_AT"], "loads": []}

@@ -21,13 +21,13 @@ from model_glue.loading import load_model
 from model_glue.options import RunOptions
 
 WARMUP_SECONDS = 3.0
-FIRST_TURN = 1536  # the tokens before a follow-up turn (chat.prefill_check.prefill_benchmark)
+FIRST_TURN = 1536  # the tokens before a follow-up turn (app.page_bench.prefill_check.prefill_benchmark)
 
 
 async def follow_ups(model, lengths: list[int], decode_ms: float | None) -> list[dict]:
     """Follow-up turns of these lengths after a first turn (up to 1,536 tokens), their attention by
     the causal prefill kernel and as a decode batch (RunOptions.short_prefill_decode_attention)."""
-    from chat.prefill_check import prefill_benchmark
+    from app.page_bench.prefill_check import prefill_benchmark
 
     rows = (await prefill_benchmark(model, tokens=(), short_turns=tuple(lengths)))["rows"]
     for r in rows:

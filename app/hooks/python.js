@@ -6,7 +6,7 @@
 export function install({ pyodide, page, handles }) {
   let namespace = null;
   return {
-    async python(id, { code, values }) {
+    async python(id, { arg: code, values }) {
       namespace = namespace || pyodide.globals.get("dict")();
       namespace.set("page", page);
       namespace.set("session", handles.session);
