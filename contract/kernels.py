@@ -426,6 +426,20 @@ class Role(StrEnum):
     QUANTIZE_FFN = "quantize_ffn_decode"
 
 
+@dataclass(frozen=True)
+class MatmulFolds:
+    """What a layer matmul's build folds in, as data (the spec is made from it, never from the name)."""
+
+    norm: bool = False  # the RMSNorm before it (MatmulSpec.norm_eps)
+    residual: bool = False  # the residual add after it (MatmulSpec.residual)
+    gated: bool = False  # the gated FFN's activation after it (MatmulSpec.glu, the family's activation)
+
+
+MATMUL_FOLDS = {Matmul.NORM_QKV: MatmulFolds(norm=True), Matmul.QKV: MatmulFolds(),
+                Matmul.O_RESIDUAL: MatmulFolds(residual=True), Matmul.O: MatmulFolds(),
+                Matmul.NORM_GATE_UP_SWIGLU: MatmulFolds(norm=True, gated=True), Matmul.GATE_UP: MatmulFolds(),
+                Matmul.DOWN_RESIDUAL: MatmulFolds(residual=True), Matmul.DOWN: MatmulFolds()}
+
 # The weight matrix each layer matmul reads (its .q4, .scale and .min tensors)
 LAYER_MATMULS = {Matmul.NORM_QKV: "qkv", Matmul.QKV: "qkv", Matmul.O_RESIDUAL: "o", Matmul.NORM_GATE_UP_SWIGLU: "gate_up",
                  Matmul.GATE_UP: "gate_up", Matmul.DOWN_RESIDUAL: "down"}
@@ -597,10 +611,11 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     matmuls = layer_matmuls(arch)
     for prefill in (False, True):
         for matmul, weight in matmuls.items():
+            folds = MATMUL_FOLDS[matmul]
             roles[matmul_role(matmul, prefill=prefill)] = MatmulSpec(
-                *weights[weight], dtype, matrix_format(c, weight), residual=matmul.endswith("_residual"),
-                norm_eps=c.rms_eps if matmul.startswith("norm_") else None,
-                glu=arch.ffn_activation if matmul.endswith("_swiglu") else None, tiled=prefill)
+                *weights[weight], dtype, matrix_format(c, weight), residual=folds.residual,
+                norm_eps=c.rms_eps if folds.norm else None, glu=arch.ffn_activation if folds.gated else None,
+                tiled=prefill)
         if prefill:
             for matmul in matmuls:
                 roles[matmul_role(matmul, prefill=True, short=True)] = replace(
