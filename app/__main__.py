@@ -18,7 +18,7 @@ def _convert_through_the_runtime(gguf: Path, args) -> int:
 
     from app.convert_gguf import convert_gguf_file
     from model_glue.errors import ModelError
-    from model_glue.gpu.artifact import ArtifactError, KernelLibrary
+    from model_glue.gpu.artifact import KernelLibrary
     from model_glue.gpu.webgpu import WebGPUUnavailable
     from model_glue.gpu.webgpu_native import WgpuDevice
 
@@ -30,7 +30,7 @@ def _convert_through_the_runtime(gguf: Path, args) -> int:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     try:
         asyncio.run(run())
-    except (ModelError, ArtifactError, WebGPUUnavailable, OSError) as err:
+    except (ModelError, WebGPUUnavailable, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

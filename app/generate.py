@@ -9,7 +9,7 @@ import time
 from app.run_options_cli import run_options
 from chat.session import ChatSession
 from model_glue.sources import Artifact, GGUFFile, open_model
-from model_glue.gpu.artifact import ArtifactError, KernelLibrary, folder_readers
+from model_glue.gpu.artifact import KernelLibrary, folder_readers
 from model_glue.errors import ModelError
 from model_glue.model.generate import Sampling
 from model_glue.formats.gguf_file import file_reader
@@ -57,7 +57,7 @@ async def run_generate(args) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         result = await chat.reply(args.prompt, max_new_tokens=args.max_tokens, options=options.per_request(),
                                   sampling=sampling, on_text=lambda piece: print(piece, end="", flush=True))
-    except (ModelError, ArtifactError, WebGPUUnavailable, DeviceLostError, OSError) as err:
+    except (ModelError, WebGPUUnavailable, DeviceLostError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print()

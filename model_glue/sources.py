@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from contract.artifacts import GGUF_TOKENIZER_FILE, MANIFEST, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from model_glue.errors import ModelError
+from model_glue.gpu.artifact import ArtifactError
 from model_glue.formats.chat_template import SMOLLM2_TEMPLATE, ChatTemplate, chat_template
 from model_glue.formats.gguf_file import read_header
 from model_glue.formats.gguf_tokenizer import tokenizer_from_gguf
@@ -116,7 +116,7 @@ async def _served_tokenizer(read_text: ReadText, progress) -> BPETokenizer:
     try:
         return BPETokenizer.from_json(await read_text(TOKENIZER_FILE), json.loads(await read_text(TOKENIZER_CONFIG_FILE)))
     except (OSError, ValueError) as err:
-        raise ModelError(f"cannot load the tokenizer: {err}") from err
+        raise ArtifactError(f"cannot load the tokenizer: {err}") from err
 
 
 async def _gguf_metadata_tokenizer(read_text: ReadText, progress) -> tuple:
@@ -125,7 +125,7 @@ async def _gguf_metadata_tokenizer(read_text: ReadText, progress) -> tuple:
     try:
         metadata = json.loads(await read_text(GGUF_TOKENIZER_FILE))
     except (OSError, ValueError) as err:
-        raise ModelError(f"cannot load the tokenizer: {err}") from err
+        raise ArtifactError(f"cannot load the tokenizer: {err}") from err
     return tokenizer_from_gguf(metadata), _noted(chat_template(metadata.get("tokenizer.chat_template")), progress)
 
 

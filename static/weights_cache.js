@@ -31,11 +31,17 @@ export async function chunkedSha256(size, chunkBytes, read) {
   return sha256Hex(digests);
 }
 
+// A served artifact that is missing or damaged: the kind the page tells the user what to do about
+// (chat.api.error_help's ArtifactError, the name the runtime's own such errors carry).
+function artifactError(message) {
+  return Object.assign(new Error(message), { type: "ArtifactError" });
+}
+
 // Streams `url` into one Uint8Array of `totalBytes`, calling onBytes(received) as chunks arrive.
 async function download(url, totalBytes, onBytes) {
   const response = await fetch(url);
   if (!response.ok) {
-    throw new Error(`cannot fetch ${url} (HTTP ${response.status}); the server's artifact is incomplete: ` +
+    throw artifactError(`cannot fetch ${url} (HTTP ${response.status}); the server's artifact is incomplete: ` +
                     "run `make setup` there, then reload");
   }
   const bytes = new Uint8Array(totalBytes);
@@ -45,14 +51,14 @@ async function download(url, totalBytes, onBytes) {
     const { done, value } = await reader.read();
     if (done) break;
     if (received + value.length > totalBytes) {
-      throw new Error(`${url} is larger than the ${totalBytes} bytes its manifest gives (re-convert the model)`);
+      throw artifactError(`${url} is larger than the ${totalBytes} bytes its manifest gives (re-convert the model)`);
     }
     bytes.set(value, received);
     received += value.length;
     onBytes(received);
   }
   if (received !== totalBytes) {
-    throw new Error(`${url}: got ${received} of ${totalBytes} bytes (the download was cut off)`);
+    throw artifactError(`${url}: got ${received} of ${totalBytes} bytes (the download was cut off)`);
   }
   return bytes;
 }
@@ -82,7 +88,7 @@ export async function loadWeights(url, sha256, totalBytes, onProgress) {
     onProgress({ stage: "verify", received: totalBytes, total: totalBytes });
     const got = await sha256Hex(bytes);
     if (got !== sha256) {
-      throw new Error(`${url} does not match the sha256 in its manifest (${got.slice(0, 12)}… instead of ` +
+      throw artifactError(`${url} does not match the sha256 in its manifest (${got.slice(0, 12)}… instead of ` +
                       `${sha256.slice(0, 12)}…): the served artifact is corrupted; run \`make setup\` on the server`);
     }
   }

@@ -70,6 +70,9 @@ def test_a_broken_artifact_is_named_at_load(fresh_browser, server, path, fault, 
         assert "Traceback" not in tab.inner_text("#error")  # the message, not a Python traceback
         if fault == "404":
             assert "make setup" in error
+        if not path.endswith(".wgsl"):  # a kind the page says what to do about (a rejected WGSL is the browser's word)
+            assert tab.evaluate("window.demoState.errorKind") == "ArtifactError"
+            assert "run `make setup` again" in tab.inner_text("#error-help")
     finally:
         tab.close()
 

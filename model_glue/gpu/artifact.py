@@ -11,11 +11,13 @@ import json
 from pathlib import Path
 
 from contract.artifacts import KERNEL_ARTIFACT_FORMAT, MANIFEST, KernelSpec
+from model_glue.errors import ModelError
 from model_glue.gpu.kernel import Kernel
 
 
-class ArtifactError(RuntimeError):
-    """The artifact is missing, from another format version, or corrupted."""
+class ArtifactError(ModelError):
+    """An artifact (the kernels, a converted model) is missing, from another format version, or
+    corrupted: a kind the page names (chat.api.error_help)."""
 
 
 def folder_readers(folder):
