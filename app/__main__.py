@@ -44,6 +44,9 @@ def add_build(sub) -> None:
     build.add_argument("--out", type=Path, help=f"default: {KERNEL_ARTIFACT.relative_to(ROOT)}, "
                        f"{TEST_ARTIFACT.relative_to(ROOT)} or {SWEEP_ARTIFACT.relative_to(ROOT)}")
     build.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    build.add_argument("--reuse", type=Path, metavar="DIR",
+                       help="copy the kernels of the same name from this built artifact instead of compiling them "
+                            "(make passes the served artifact to the tests' set)")
     build.set_defaults(run=run_build)
 
 
@@ -54,7 +57,7 @@ def run_build(args) -> int:
 
     recipes, default_out = {"served": (all_recipes, KERNEL_ARTIFACT), "tests": (grid_recipes, TEST_ARTIFACT),
                             "sweep": (lambda: all_recipes() + sweep_recipes(), SWEEP_ARTIFACT)}[args.set]
-    build_artifact(args.out or default_out, jobs=args.jobs, recipes=recipes())
+    build_artifact(args.out or default_out, jobs=args.jobs, recipes=recipes(), reuse=args.reuse)
     return 0
 
 

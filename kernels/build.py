@@ -148,10 +148,12 @@ def _build_recipe(recipe):
     return built
 
 
-def build_artifact(out_dir, recipes, *, jobs: int = 2, log=print) -> dict:
+def build_artifact(out_dir, recipes, *, jobs: int = 2, log=print, reuse=None) -> dict:
     """Build `recipes` (e.g. kernels.catalog.all_recipes(), the served artifact) into `out_dir` (WGSL
     files + manifest.json). The caller passes them: the catalog imports every kernel module, so the
-    build importing it would close an import cycle."""
+    build importing it would close an import cycle. `reuse`: a folder built by this apache-tvm and
+    artifact format (the served artifact, for the tests' set) whose kernels of the same name are copied,
+    not compiled again: a kernel's name is derived from everything it is compiled for."""
     import json
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -160,7 +162,14 @@ def build_artifact(out_dir, recipes, *, jobs: int = 2, log=print) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    log(f"building {len(recipes)} kernels with apache-tvm {tvm.__version__} ({jobs} processes)")
+    copied = {}
+    if reuse is not None and (Path(reuse) / MANIFEST).exists():
+        old = json.loads((Path(reuse) / MANIFEST).read_text())
+        if (old.get("format"), old.get("tvm")) == (KERNEL_ARTIFACT_FORMAT, tvm.__version__):
+            copied = {r.name: old["kernels"][r.name] for r in recipes if r.name in old["kernels"]}
+    recipes = [r for r in recipes if r.name not in copied]
+    log(f"building {len(recipes)} kernels with apache-tvm {tvm.__version__} ({jobs} processes)"
+        + (f", {len(copied)} more copied from {reuse}" if copied else ""))
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
             built = list(pool.map(_build_recipe, recipes, chunksize=4))
@@ -170,10 +179,13 @@ def build_artifact(out_dir, recipes, *, jobs: int = 2, log=print) -> dict:
     for kernel in built:
         (out / kernel.spec.wgsl).write_text(kernel.wgsl)
         manifest["kernels"][kernel.spec.name] = kernel.spec.to_json()
+    for name, entry in copied.items():
+        (out / entry["wgsl"]).write_text((Path(reuse) / entry["wgsl"]).read_text())
+        manifest["kernels"][name] = entry
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / MANIFEST)  # the manifest appears last: its presence means complete
-    for stale in set(out.glob("*.wgsl")) - {out / k.spec.wgsl for k in built}:
+    for stale in set(out.glob("*.wgsl")) - {out / k.spec.wgsl for k in built} - {out / e["wgsl"] for e in copied.values()}:
         stale.unlink()  # kernels renamed or dropped since the last build
     total = sum(k.spec.compile_seconds for k in built)
     log(f"built {len(built)} kernels in {time.perf_counter() - started:.1f} s "
