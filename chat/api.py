@@ -85,11 +85,11 @@ def error_help() -> dict[str, str]:
     each names a class the runtime raises."""
     from chat.page import NVIDIA_F16_FLAG  # chat.page imports the WebGPU seam
 
-    f32_models = "?model=smollm2 or ?model=gemma3 (float32 kernels)"
+    served = " or ".join(f"?model={name}" for name in SERVED_MODELS)  # each has float32 kernels too
     return {
         "NeedsShaderF16": "This adapter has no shader-f16 and this model runs in float16 only. Chromium on "
-                          f"NVIDIA withholds it unless started with {NVIDIA_F16_FLAG}; or open {f32_models}.",
-        "AdapterLimitError": f"This GPU's limits are below what this model needs: open {f32_models}.",
+                          f"NVIDIA withholds it unless started with {NVIDIA_F16_FLAG}; or open {served} (float32 kernels).",
+        "AdapterLimitError": f"This GPU's limits are below what this model needs: open a smaller one, {served}.",
         "WebGPUUnavailable": "Use a Chromium-based browser with WebGPU (on Linux: --enable-unsafe-webgpu).",
         "ArtifactError": "The model's files on this server are missing or damaged: run `make setup` again and "
                          "reload (a copy in this browser's cache that fails its check is dropped and fetched again).",
