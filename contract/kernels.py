@@ -227,8 +227,8 @@ class MatmulSpec:
     adds_post_norm: bool = False
     # A prefill matmul's tokens a tile (PREFILL_TOKEN_TILE, or SHORT_PREFILL_TOKENS for short passes).
     token_tile: int = PREFILL_TOKEN_TILE
-    # A prefill matmul on subgroup matrices (kernels.prefill_matmul_matrix: the tensor cores), f16, for
-    # adapters with chromium-experimental-subgroup-matrix (model_glue.loading.pick_prefill_matrix).
+    # A prefill matmul on subgroup matrices (kernels.prefill_matmul_matrix: the tensor cores), f16 products
+    # whatever dtype, for adapters with chromium-experimental-subgroup-matrix (model_glue.policy.pick_prefill_matrix).
     matrix: bool = False
 
     def __post_init__(self):
@@ -245,8 +245,8 @@ class MatmulSpec:
                 self.token_tile != PREFILL_TOKEN_TILE and not self.tiled):
             raise ValueError(f"token_tile is {PREFILL_TOKEN_TILE} or {SHORT_PREFILL_TOKENS} (a prefill matmul's), "
                              f"not {self.token_tile}")
-        if self.matrix and (not self.tiled or self.weights == "q8" or self.dtype != "float16"):
-            raise ValueError("matrix is for an f16 q4 or q8a prefill matmul (f16 fragments)")
+        if self.matrix and (not self.tiled or self.weights == "q8" or self.out_dtype not in (None, self.dtype)):
+            raise ValueError("matrix is for a q4 or q8a prefill matmul whose y is in its dtype")
         if self.quantizes_x and not (self.int8_x and self.norm_eps is not None and self.prologue_fits):
             raise ValueError("quantizes_x is for an int8_x matmul with the norm folded in whose x's codes fit "
                              f"{WORKGROUP_STORAGE_BYTES} bytes of workgroup memory beside its partials")
@@ -493,7 +493,7 @@ def llama_kernels(c: LlamaConfig, dtype: str, subgroup_lanes: int | None = None,
     gate/up matmul's workgroups write one 16-value chunk of y each, its epilogue quantizes y for down
     (MatmulSpec.quantizes_y: no quantizer before down); where x's codes fit workgroup memory, the
     normed ones (qkv, gate/up) quantize their x in their prologues (MatmulSpec.quantizes_x). With
-    `prefill_matrix` (f16) the folded prefill matmuls also have their subgroup-matrix builds (role +
+    `prefill_matrix` (`has_matrix_builds`) the folded prefill matmuls also have their subgroup-matrix builds (role +
     MATRIX_SUFFIX, `matrix_roles`)."""
     roles = _llama_kernels(c, dtype)
     if prefill_matrix:
@@ -629,6 +629,12 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
 # The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup
 # matrices are GPUs, which fold the norms); a family's are `folded_matmuls(arch, True)`.
 MATRIX_MATMULS = (Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL)
+
+
+def has_matrix_builds(c: LlamaConfig, dtype: str) -> bool:
+    """Whether a model's prefill has subgroup-matrix builds in `dtype`: in f16, and in f32 for a family that
+    runs only in f32 (f16 products all the same); an f16-capable family runs f32 only without shader-f16."""
+    return dtype == "float16" or not c.arch.f16_activations
 
 
 def matrix_roles(roles: dict, arch: Family) -> dict[str, MatmulSpec]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from contract.attention import LAYOUT_NAMES, LAYOUTS, LAYOUTS_BY_NAME, MATRIX_PREFILL, Layout
 from contract.kernels import (MATRIX_FRAGMENT, SERVED_MATMUL_SUBGROUP_LANES, TILED_WORKGROUP_STORAGE_BYTES,
-                              WORKGROUP_STORAGE_BYTES, AttentionSpec, has_int8_x_form, llama_kernels)
+                              WORKGROUP_STORAGE_BYTES, AttentionSpec, has_int8_x_form, has_matrix_builds,
+                              llama_kernels)
 from contract.model import (BENCH_SHAPES, DTYPES, MODEL_CONFIGS, MODEL_SHAPES, SYNTHETIC_CONFIGS, SYNTHETIC_DTYPES,
                             AttentionShape, LlamaConfig, all_wide)
 from kernels import decode_matmul, layer_ops, sampling
@@ -169,9 +170,9 @@ def prefill_attention_recipes(shape: AttentionShape, dtype: str) -> list[KernelR
     return recipes
 
 
-def matrix_prefill_attention_recipe(shape: AttentionShape) -> KernelRecipe:
-    """The causal prefill attention of one shape on subgroup matrices (f16, WGSL)."""
-    return attention_recipe(AttentionSpec("prefill", shape, "float16", tag=MATRIX_PREFILL), "prefill_attention_matrix",
+def matrix_prefill_attention_recipe(shape: AttentionShape, dtype: str = "float16") -> KernelRecipe:
+    """The causal prefill attention of one shape on subgroup matrices (WGSL; f16 products whatever `dtype`)."""
+    return attention_recipe(AttentionSpec("prefill", shape, dtype, tag=MATRIX_PREFILL), "prefill_attention_matrix",
                             {"build": MATRIX_PREFILL})
 
 
@@ -181,11 +182,12 @@ def llama_recipes(c: LlamaConfig, dtype: str, subgroup_lanes: tuple = ()) -> lis
     share those kernels, and the runtime finds them by name. The decode matmuls also in each
     subgroup build of `subgroup_lanes` (MatmulSpec.subgroup_lanes), with and without int8 codes of
     x (MatmulSpec.int8_x: only beside subgroups, the GPUs' path). In f16 the folded prefill matmuls
-    also have their subgroup-matrix builds (MatmulSpec.matrix, WGSL: kernels.prefill_matmul_matrix)."""
+    also have their subgroup-matrix builds (MatmulSpec.matrix, WGSL: kernels.prefill_matmul_matrix), as in
+    f32 do a float32-only family's (`has_matrix_builds`)."""
     recipes = {}
     int8_forms = (False, True) if has_int8_x_form(c.arch) else (False,)
     for lanes, int8_x in [(None, False)] + [(lanes, int8_x) for lanes in subgroup_lanes for int8_x in int8_forms]:
-        for role, spec in llama_kernels(c, dtype, lanes, int8_x, prefill_matrix=dtype == "float16").items():
+        for role, spec in llama_kernels(c, dtype, lanes, int8_x, prefill_matrix=has_matrix_builds(c, dtype)).items():
             matrix = getattr(spec, "matrix", False)
             recipes[spec.name] = KernelRecipe(spec.name, spec.builder, spec.args,
                                               {"kind": "llama", "role": role, "dtype": dtype}, spec.buffers,
@@ -211,6 +213,8 @@ def all_recipes() -> list[KernelRecipe]:
         if config.sliding_window is not None:
             for dtype in model_dtypes(config):
                 recipes += attention_recipes(config.attention_shape, dtype, sliding_window=True)
+        if not config.arch.f16_activations:  # its prefill attention on subgroup matrices, in f32
+            recipes.append(matrix_prefill_attention_recipe(config.attention_shape, "float32"))
     for name, config in MODEL_CONFIGS.items():  # each also with Q8A matrices (a GGUF wider than 4 bits)
         for dtype in model_dtypes(config):
             for weights in (config, all_wide(config)):

@@ -1,8 +1,9 @@
 """Causal paged prefill attention on subgroup matrices (the tensor cores), written as WGSL.
 
 The same call as the scalar kernel (kernels.prefill_attention: its buffers, `start`, sm_scale,
-`window`, its rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32. Written
-as WGSL (kernels.wgsl says why).
+`window`, its rows and grid), with q.K^T and P.V as f16 fragment products accumulated in f32; q, the
+pages and the output in the model's dtype (f16, or f32 for a family whose activations overflow f16:
+staged as f16, as the f16 builds' are). Written as WGSL (kernels.wgsl says why).
 
     grid (ceil(n * G / ROWS), H_kv); 128 invocations = 4 subgroups of 32
     row r of a workgroup is (token r // G, head r % G) of its KV head; subgroup s owns rows 16 s .. 16 s + 15
@@ -70,7 +71,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                              page_size: int = PAGE_SIZE) -> WgslKernel:
     """The subgroup-matrix causal prefill attention of one shape (see the module docstring)."""
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
-    assert dtype == "float16" and H_qo % H_kv == 0 and D % FRAG == 0 and D <= MAX_HEAD_DIM
+    assert dtype in ("float16", "float32") and H_qo % H_kv == 0 and D % FRAG == 0 and D <= MAX_HEAD_DIM
+    io = "f32" if dtype == "float32" else "f16"  # of q, the pages and the output
     G = H_qo // H_kv
     TILE_KEYS, S_STRIDE, P_STRIDE, KT_STRIDE = tile_layout(D)
     KEYS_PER_LANE = TILE_KEYS // LANES_PER_ROW
@@ -95,8 +97,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     assert all(b % MATRIX_ALIGN_BYTES == 0 for b in row_bytes), "fragment rows and offsets 16-byte aligned"
     name = f"prefill_attention_matrix_d{D}_kv{H_kv}_qo{H_qo}"
 
-    buffers = [(buf, "read_write" if buf == "output" else "read", "int32" if buf == "page_ids" else "float16x4",
-                "i32" if buf == "page_ids" else "vec4<f16>") for buf in PREFILL_ATTENTION_BUFFERS]
+    buffers = [(buf, "read_write" if buf == "output" else "read", "int32" if buf == "page_ids" else f"{dtype}x4",
+                "i32" if buf == "page_ids" else f"vec4<{io}>") for buf in PREFILL_ATTENTION_BUFFERS]
     pod = (("n", "i32"), ("start", "i32"), ("sm_scale", "f32"), ("window", "i32"))
     grid = (["//", ["+", ["*", "n", G], ROWS - 1], ROWS], H_kv)
 
@@ -135,7 +137,7 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         """The Q rows first_row .. first_row + round_rows - 1 staged (rows past the chunk repeat its last token)."""
         return [f"  for (var e = tid; e < {round_rows * cols}u; e = e + {THREADS}u) {{",
                 f"    let row = row0 + {f'{first_row} + ' if first_row else ''}i32(e / {cols}u);",
-                f"    let v = q[u32(min(row / {G}, n - 1) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u];",
+                f"    let v = vec4<f16>(q[u32(min(row / {G}, n - 1) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u]);",
                 f"    let at = (e / {cols}u) * {kv_stride}u + (e % {cols}u) * {VEC}u;",
                 "    kv_tile[at] = v.x; kv_tile[at + 1u] = v.y; kv_tile[at + 2u] = v.z; kv_tile[at + 3u] = v.w;",
                 "  }",
@@ -168,8 +170,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                     f"      let position = min({tile} * {TILE_KEYS} + i32(key), kv_len - 1);",
                     f"      let row = ((u32(page_ids[position / {page_size}]) * 2u * {H_kv}u + u32(kv_head)) * {page_size}u"
                     f" + u32(position % {page_size})) * {cols}u + tid % {cols}u;",
-                    f"      k{i} = pages[row];",
-                    f"      v{i} = pages[row + {H_kv * page_size * cols}u]; }}"]
+                    f"      k{i} = vec4<f16>(pages[row]);",
+                    f"      v{i} = vec4<f16>(pages[row + {H_kv * page_size * cols}u]); }}"]
         return out
 
     lines += ["  {"] + fetch("first_tile") + ["  }"]
@@ -256,7 +258,7 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                       f"      let o = vec4<f32>(scores[at], scores[at + 1u], scores[at + 2u], scores[at + 3u]);",
                       f"      output[u32((row / {G}) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u"
                       f"{f' + {chunk * FRAG // VEC}u' if chunk else ''} + e % {chunk_cols}u] = "
-                      f"vec4<f16>(o * row_factor[{owner * FRAG}u + e / {chunk_cols}u]);",
+                      f"vec4<{io}>(o * row_factor[{owner * FRAG}u + e / {chunk_cols}u]);",
                       "    }", "  }"]
     lines.append("}")
     return WgslKernel("\n".join(lines) + "\n", name, tuple(buffers), pod, (THREADS, 1, 1), grid)

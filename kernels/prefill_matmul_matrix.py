@@ -2,7 +2,8 @@
 
 y[n, out] = x[n, in] @ W^T (+ resid), W q4 or q8a (contract.model, kernels.llama_common), with the folds
 of the scalar tiled kernel (kernels.prefill_matmul): the RMSNorm before it (`norm_eps`), the gated FFN's
-activation after it (`glu`), the residual. f16 x, y and resid; f16 products, f32 accumulation.
+activation after it (`glu`), the residual. x, y and resid in the model's dtype (f16, or f32 for a family
+whose activations overflow f16); f16 products, f32 accumulation.
 
 Written as WGSL (kernels.wgsl says why), under the same contract as the TVM-built kernels:
 `matrix_matmul(spec)` returns the WGSL and its ABI, checked by the build before it enters the manifest.
@@ -35,7 +36,7 @@ A_STRIDE = K_STEP + PAD  # x tile [token][k]
 B_STRIDE = ROWS + PAD  # W tile [k][row]
 EPILOGUE_TOKENS = 16  # token rows of the f32 results staged at once for the epilogue (within 32 KiB in all)
 C_STRIDE = ROWS + 4
-X_WORDS = K_STEP // 8  # vec4<u32> loads of one token's x per step (8 halves each)
+X_WORDS = K_STEP // 8  # a token's x per step in quarters of 8 values: one vec4<u32> of f16, two vec4<f32>
 # Token tiles: (subgroups along tokens, subgroups along rows, fragments a subgroup along each).
 TILE_LAYOUTS = {128: (2, 2, 4, 4), 32: (1, 4, 2, 2)}
 
@@ -68,29 +69,33 @@ def dequantize_w(q8a: bool) -> list[str]:
 
 
 def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
-    """The subgroup-matrix prefill matmul of `spec` (tiled, matrix, q4 or q8a, f16), its name the entry
-    point. `n`, `out_features` (W's rows) and `eps` are runtime values, as in the scalar tiled kernel."""
-    assert spec.tiled and spec.matrix and spec.weights in ("q4", "q8a") and spec.dtype == "float16"
+    """The subgroup-matrix prefill matmul of `spec` (tiled, matrix, q4 or q8a, f16 or f32 x and y), its
+    name the entry point. `n`, `out_features` (W's rows) and `eps` are runtime values, as in the scalar
+    tiled kernel."""
+    assert spec.tiled and spec.matrix and spec.weights in ("q4", "q8a") and spec.dtype in ("float16", "float32")
     assert spec.in_features % K_STEP == 0 and spec.token_tile in TILE_LAYOUTS
     tokens, (sub_m, sub_n, frags_m, frags_n) = spec.token_tile, TILE_LAYOUTS[spec.token_tile]
     assert sub_m * sub_n * SUBGROUP == THREADS and sub_n * frags_n * FRAG == ROWS
     assert sub_m * frags_m * FRAG == tokens and tokens % EPILOGUE_TOKENS == 0
     name = spec.name
     normed, has_gate, residual = spec.norm_eps is not None, spec.glu is not None, spec.residual
-    steps, x_row_vecs = spec.in_features // K_STEP, spec.in_features // 8  # x rows in vec4<u32> (8 halves)
-    x_loads = tokens * X_WORDS // THREADS  # vec4<u32> loads of x per thread per step
+    f32_io = spec.dtype == "float32"
+    scalar = "f32" if f32_io else "f16"  # of x, resid and y
+    x_vecs = 2 if f32_io else 1  # loads of a quarter: two vec4<f32>, or one vec4<u32> of 8 halves
+    steps, x_row_vecs = spec.in_features // K_STEP, spec.in_features // 8 * x_vecs  # x rows in loads
+    x_loads = tokens * X_WORDS // THREADS  # quarters of x a thread stages per step
     sub_tokens = frags_m * FRAG  # a subgroup's tokens
     columns = column_tile(spec)
     q8a = spec.weights == "q8a"
     blocks = 2 if q8a else 1  # a row's blocks a step (a vec4<u32> of codes each)
     suffixes = ("0", "1") if q8a else ("",)  # of each block's registers
 
-    buffers = [("x", "read", "float16", "vec4<u32>")]
+    buffers = [("x", "read", "float32", "vec4<f32>") if f32_io else ("x", "read", "float16", "vec4<u32>")]
     buffers += [("norm", "read", "float32", "vec4<f32>")] if normed else []
     buffers += [("w", "read", "uint32", "vec4<u32>"), ("scale", "read", "float32", "f32"),
                 ("wmin", "read", "float32", "f32")]
-    buffers += [("resid", "read", "float16", "f16")] if residual else []
-    buffers += [("y", "read_write", "float16", "f16")]
+    buffers += [("resid", "read", spec.dtype, scalar)] if residual else []
+    buffers += [("y", "read_write", spec.dtype, scalar)]
     assert tuple(b[0] for b in buffers) == spec.buffers, (buffers, spec.buffers)
     pod = (("n", "i32"), ("out_features", "i32")) + ((("eps", "f32"),) if normed else ())
     width = ["//", "out_features", 2] if has_gate else "out_features"
@@ -119,8 +124,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     for i in range(x_loads):
         token = f"tid / {X_WORDS}u + {i * THREADS // X_WORDS}u"
         lines += [f"  let x_token{i} = {token};",
-                  f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter;",
-                  f"  var x_raw{i} : vec4<u32>;"] + [f"  var x_sq{i} = 0.0f;"] * normed
+                  f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter * {x_vecs}u;"]
+        lines += [f"  var x_raw{i}_{v} : vec4<f32>;" for v in range(x_vecs)] if f32_io else [f"  var x_raw{i} : vec4<u32>;"]
+        lines += [f"  var x_sq{i} = 0.0f;"] * normed
     lines += ["", "  // W: each thread dequantizes one row's block"]
     if has_gate:  # tile rows 0-63 are gate rows, 64-127 the up rows of the same columns
         lines += ["  let half_rows = out_features / 2;",
@@ -137,7 +143,11 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
               for i in range(frags_m) for j in range(frags_n)]
 
     def load(step: str) -> list[str]:
-        out = [f"    x_raw{i} = x[x_at{i} + {step} * {X_WORDS}u];" for i in range(x_loads)]
+        if f32_io:
+            out = [f"    x_raw{i}_{v} = x[x_at{i} + {step} * {X_WORDS * x_vecs}u + {v}u];"
+                   for i in range(x_loads) for v in range(x_vecs)]
+        else:
+            out = [f"    x_raw{i} = x[x_at{i} + {step} * {X_WORDS}u];" for i in range(x_loads)]
         out += [f"    norm_lo = norm[{step} * {K_STEP // 4}u + quarter * 2u];",
                 f"    norm_hi = norm[{step} * {K_STEP // 4}u + quarter * 2u + 1u];"] * normed
         for h, suffix in enumerate(suffixes):
@@ -150,7 +160,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
     for i in range(x_loads):
         for h in range(4):  # the pairs of halves in each u32 of the load
-            lines += [f"    {{ let pair = unpack2x16float(x_raw{i}[{h}]);  // two halves of x, exactly",
+            pair = (f"x_raw{i}_{h // 2}.{'xy' if h % 2 == 0 else 'zw'};  // two values of x"
+                    if f32_io else f"unpack2x16float(x_raw{i}[{h}]);  // two halves of x, exactly")
+            lines += [f"    {{ let pair = {pair}",
                       f"      let at = x_token{i} * {A_STRIDE}u + quarter * 8u + {2 * h}u;"]
             if normed:  # x times the norm's weight (1 / rms scales the results): a multiply per value of x
                 g = f"norm_{'lo' if h < 2 else 'hi'}"
@@ -205,7 +217,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                       f"      let s = row_scale[{first}u + local];",
                       f"      let gate = results[local * {C_STRIDE}u + tid % {columns}u] * s;",
                       f"      let up = results[local * {C_STRIDE}u + {columns}u + tid % {columns}u] * s;",
-                      f"      y[u32(token * half_rows + column)] = f16({gated_wgsl('gate', 'up', spec.glu)});",
+                      f"      y[u32(token * half_rows + column)] = {scalar}({gated_wgsl('gate', 'up', spec.glu)});",
                       "    }", "  }"]
         else:  # thread: column tid of every token
             lines += [f"  for (var r = 0u; r < {EPILOGUE_TOKENS}u; r = r + 1u) {{",
@@ -214,7 +226,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                       "    if (token < n && column < out_features) {",
                       f"      let at = u32(token * out_features + column);",
                       f"      let value = results[r * {C_STRIDE}u + tid] * row_scale[{first}u + r];",
-                      "      y[at] = f16(value + f32(resid[at]));" if residual else "      y[at] = f16(value);",
+                      f"      y[at] = {scalar}(value + f32(resid[at]));" if residual else f"      y[at] = {scalar}(value);",
                       "    }", "  }"]
     lines.append("}")
     wgsl = "\n".join(lines) + "\n"

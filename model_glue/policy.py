@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from contract.attention import LAYOUTS, LAYOUTS_BY_NAME, MAX_SPLITS, NEST_CHOICES, AttentionChoice, LayoutChoice
 from contract.kernels import (MATMUL_SUBGROUP_LANES, MATRIX_CONFIG, MATRIX_FRAGMENT, MATRIX_SUBGROUP,
-                              SHORT_PREFILL_TOKENS, has_int8_x_form, llama_kernels, matrix_roles,
+                              SHORT_PREFILL_TOKENS, has_int8_x_form, has_matrix_builds, llama_kernels, matrix_roles,
                               o_merges_splits)
 from contract.model import AttentionShape, LlamaConfig
 from model_glue.errors import ModelError
@@ -104,10 +104,12 @@ def pick_matmul_int8_x(library, config: LlamaConfig, dtype: str, lanes: int | No
 
 def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold_norms: bool = True) -> str | None:
     """Why this device cannot run the model's prefill matmuls on subgroup matrices, or None if it can:
-    it needs the feature, an f16 -> f32 16x16x16 shape, subgroups of exactly 32 (the kernels place
-    their fragments by subgroup), f16 kernels with the norms folded, and the artifact's builds."""
+    it needs the feature and shader-f16, an f16 -> f32 16x16x16 shape, subgroups of exactly 32 (the kernels
+    place their fragments by subgroup), builds in the model's dtype with the norms folded, in the artifact."""
     if device is None or SUBGROUP_MATRIX not in device.features:
         return f"this adapter has no subgroup matrices ({SUBGROUP_MATRIX})"
+    if not device.has_f16:
+        return "the matrix kernels multiply in f16 and this adapter has no shader-f16"
     if MATRIX_CONFIG not in device.subgroup_matrix_configs:
         offered = ", ".join(f"{a}->{r} {m}x{n}x{k}" for a, r, m, n, k in device.subgroup_matrix_configs) or "none"
         return (f"this adapter's subgroup matrices have no f16->f32 {MATRIX_FRAGMENT}x{MATRIX_FRAGMENT}x"
@@ -115,8 +117,8 @@ def why_no_prefill_matrix(library, config: LlamaConfig, dtype: str, device, fold
     if device.subgroup_min_size != MATRIX_SUBGROUP or device.subgroup_max_size != MATRIX_SUBGROUP:
         return (f"the matrix kernels need subgroups of exactly {MATRIX_SUBGROUP} invocations (this adapter's hold "
                 f"{device.subgroup_min_size}-{device.subgroup_max_size})")
-    if dtype != "float16":
-        return f"the matrix kernels are f16 and this model runs in {dtype}"
+    if not has_matrix_builds(config, dtype):
+        return f"this model's matrix kernels are built in float16 and it runs in {dtype}"
     if not fold_norms:
         return "the matrix kernels fold the norms into the matmuls (fold_norms)"
     missing = [spec.name for spec in matrix_roles(llama_kernels(config, dtype), config.arch).values() if spec.name not in library.specs]

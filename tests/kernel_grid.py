@@ -57,6 +57,8 @@ TEST_WINDOW_SHAPES = [(AttentionShape(1, 4, 64), "float32", ("shards_group", "su
 TEST_PREFILL_ATTENTION = [(AttentionShape(2 if group == 1 else 1, (2 if group == 1 else 1) * group, d), DTYPES[i % 2])
                           for d, groups in ((64, (1, 3, 4, 8)), (128, (1, 8))) for i, group in enumerate(groups)] + [
     (GEMMA3_SHAPE, dtype) for dtype in DTYPES]
+# the matrix attention in f32 (an f32-only family's: f16 fragments of f32 q, K and V), at a cheap head_dim
+TEST_MATRIX_ATTENTION_F32 = AttentionShape(1, 4, 64)
 TEST_PREFILL_MATMULS = {  # name: (out_features, in_features, residual, norm, swiglu)
     "plain": (128, 256, False, False, False), "residual": (192, 128, True, False, False),
     "norm": (320, 96, False, True, False), "norm_swiglu": (256, 160, False, True, True)}
@@ -129,7 +131,8 @@ def grid_matmul_spec(flags: str, dtype: str, subgroup_lanes: int | None = None, 
 # (tests/matrix_emulation.py).
 TEST_PREFILL_TILES = {"float16": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TOKENS, False),
                                   (PREFILL_TOKEN_TILE, True), (SHORT_PREFILL_TOKENS, True)),
-                      "float32": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TOKENS, False))}
+                      # an f32-only family's matrix builds: the short tile only (the emulated long one compiles slowly)
+                      "float32": ((PREFILL_TOKEN_TILE, False), (SHORT_PREFILL_TOKENS, False), (SHORT_PREFILL_TOKENS, True))}
 
 
 TEST_QUANTIZING_MATMUL = "quad_norm_swiglu"  # 16 columns a workgroup: the int8_x build that quantizes y
@@ -166,6 +169,7 @@ def grid_recipes() -> list[KernelRecipe]:
                                      build_params={"builds": subgroup_builds_for_tests(shape)})
     recipes += [grid_prefill_attention_recipe(shape, dtype) for shape, dtype in TEST_PREFILL_ATTENTION]
     recipes += [matrix_prefill_attention_recipe(shape) for shape, _dtype in TEST_PREFILL_ATTENTION]  # every group
+    recipes.append(matrix_prefill_attention_recipe(TEST_MATRIX_ATTENTION_F32, "float32"))
     for flags in [*TEST_PREFILL_MATMULS, *TEST_DECODE_MATMULS]:
         for dtype in DTYPES:
             # (subgroup lanes, int8_x, quantizes_y, token tile, matrix, quantizes_x)
@@ -202,6 +206,8 @@ def grid_recipes() -> list[KernelRecipe]:
             if config.sliding_window is not None:
                 recipes += attention_recipes(config.attention_shape, dtype, sliding_window=True)
             recipes += prefill_attention_recipes(config.attention_shape, dtype)
+            if not config.arch.f16_activations:  # an f32-only family's attention on subgroup matrices
+                recipes.append(matrix_prefill_attention_recipe(config.attention_shape, dtype))
             for weights in (config, all_wide(config)):  # Q8A matrices: tests/test_gguf_model.py
                 recipes += llama_recipes(weights, dtype, TEST_MATMUL_SUBGROUP_LANES[:1])
     # Llama 3's 1B and 8B shapes, one layer of each (tests/test_synthetic.py), and the fills

@@ -4,7 +4,7 @@ subgroup-matrix build with the builtins emulated (tests/matrix_emulation.py).
 
 Kernels come from the test artifact (tests/kernel_grid.py: TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS).
 f16 outputs must be within 2e-5 of their own floor (the f64 result rounded to f16) or 2.5e-4 relative
-L2, f32 outputs within 1e-5; the matrix attention's within 1.5e-4 of the floor (its P is f16).
+L2, f32 outputs within 1e-5; the matrix attention's within 2.5e-4 of the floor (its P is f16).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 
 from contract.model import Q8A_BLOCK
 from convert.weights import dequant_q4, dequant_q8a, pack_q4, pack_q8a
-from kernel_grid import (GEMMA3_SHAPE, TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_PREFILL_ATTENTION,
-                         TEST_PREFILL_MATMULS, TEST_PREFILL_TILES, grid_matmul_name, grid_matmul_spec)
+from kernel_grid import (GEMMA3_SHAPE, TEST_DECODE_MATMULS, TEST_MATMUL_SUBGROUP_LANES, TEST_MATRIX_ATTENTION_F32,
+                         TEST_PREFILL_ATTENTION, TEST_PREFILL_MATMULS, TEST_PREFILL_TILES, grid_matmul_name,
+                         grid_matmul_spec)
 from model_glue.gpu.kernel import Kernel, evaluate
 from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from matrix_emulation import emulated
@@ -117,10 +118,16 @@ def run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng, stale=n
 
 ATTENTION_CASES = [(shape, dtype, False) for shape, dtype in TEST_PREFILL_ATTENTION] + [
     (shape, "float16", True) for shape in dict.fromkeys(shape for shape, _dtype in TEST_PREFILL_ATTENTION)
-    if shape.head_dim == 64 or shape.group > 1]
+    if shape.head_dim == 64 or shape.group > 1] + [(TEST_MATRIX_ATTENTION_F32, "float32", True)]
 ATTENTION_IDS = [f"d{s.head_dim}-g{s.group}{'-smx' * m}-{d}" for s, d, m in ATTENTION_CASES]
-# the matrix build's P is f16 (one rounding of each weight, up to 2^-11 of it)
-MATRIX_P_ROUNDING = 1.5e-4
+# the matrix build's P is f16 (one rounding of each weight, up to 2^-11 of it, averaged over the keys;
+# an f32 build's output shows it unrounded)
+MATRIX_P_ROUNDING = 2.5e-4
+
+
+def as_staged(matrix: bool, *arrays):
+    """The matrix build's operands as its fragments hold them: f16 (an f32 build rounds its q, K and V)."""
+    return [a.astype(np.float16) if matrix else a for a in arrays]
 
 
 def attention_kernel(loop, gpu, test_library, test_artifact_dir, shape, dtype, matrix):
@@ -159,7 +166,7 @@ def test_prefill_attention_matches_f64(loop, gpu, test_library, test_artifact_di
         for start, n in cases:
             q, k, v = random_chunk(rng, shape, dtype, start, n, growth)
             out = run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng)
-            ref = prefill_attention_f64(q, k, v, start, shape.head_dim ** -0.5)
+            ref = prefill_attention_f64(*as_staged(matrix, q, k, v), start, shape.head_dim ** -0.5)
             label = f"start {start}, n {n}{f', keys growing 1 + i / {growth}' if growth else ''}"
             assert np.isfinite(out).all(), f"{label}: non-finite output"
             close_to(out.astype(np.float64), ref, dtype, label, MATRIX_P_ROUNDING if matrix else 0.0)
@@ -185,7 +192,7 @@ def test_prefill_attention_with_a_sliding_window_matches_f64(loop, gpu, test_lib
             q, k, v = random_chunk(rng, shape, dtype, start, n, growth, q_scale)
             unread = max(start - window + 1, 0) // LARGEST_TILE * LARGEST_TILE
             out = run_prefill_attention(loop, gpu, kernel, q, k, v, start, dtype, rng, window=window, unread=unread)
-            ref = prefill_attention_f64(q, k, v, start, shape.head_dim ** -0.5, window)
+            ref = prefill_attention_f64(*as_staged(matrix, q, k, v), start, shape.head_dim ** -0.5, window)
             label = f"start {start}, n {n}, window {window} (positions below {unread} unread){what}"
             assert np.isfinite(out).all(), f"{label}: non-finite output"
             close_to(out.astype(np.float64), ref, dtype, label, MATRIX_P_ROUNDING if matrix else 0.0)
@@ -320,6 +327,8 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
             inv_rms = 1 / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5)
             xf = (x.astype(np.float32) * norm_weight).astype(np.float16) if matrix else xf * norm_weight
             xf = xf.astype(np.float64) * inv_rms
+        elif matrix:  # the fragments' x is f16 (an f32 build rounds it)
+            xf = x.astype(np.float16).astype(np.float64)
         ref = xf @ w.T
         if swiglu:
             gate, up = ref[:, :columns], ref[:, columns:]

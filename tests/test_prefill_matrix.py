@@ -19,6 +19,7 @@ from app.page_bench.prefill_check import check_prefill_kernels
 from contract.attention import MATRIX_PREFILL
 from contract.kernels import MATRIX_CONFIG, MATRIX_SUFFIX, AttentionSpec, MatmulSpec, llama_kernels, matrix_roles
 from contract.model import MODEL_CONFIGS, TEST_MODEL_CONFIGS
+from convert.weights import load_artifact_weights, write_random_artifact
 from kernels.build import build_wgsl_kernel
 from kernels.prefill_matmul_matrix import matrix_matmul
 from kernels.wgsl import MAX_WORKGROUP_STORAGE
@@ -28,14 +29,15 @@ from model_glue.gpu.kernel import Kernel
 from model_glue.errors import ModelError
 from model_glue.policy import pick_prefill_matrix, why_no_prefill_matrix
 from model_glue.gpu.webgpu import SUBGROUP_MATRIX
+from model_reference import ReferenceLlama
 from test_model import LOGIT_TOLERANCE, TINY_VOCAB, load, logits_of, rel_l2, tiny_dir, tiny_reference  # noqa: F401
 
 TINY = TEST_MODEL_CONFIGS["tiny_llama"]
 
 
-def adapter(features=(SUBGROUP_MATRIX,), configs=(MATRIX_CONFIG,), subgroups=(32, 32)):
+def adapter(features=(SUBGROUP_MATRIX,), configs=(MATRIX_CONFIG,), subgroups=(32, 32), f16=True):
     return SimpleNamespace(features=frozenset(features), subgroup_matrix_configs=tuple(configs),
-                           subgroup_min_size=subgroups[0], subgroup_max_size=subgroups[1])
+                           subgroup_min_size=subgroups[0], subgroup_max_size=subgroups[1], has_f16=f16)
 
 
 ADAPTERS = {  # name: (adapter, dtype, fold_norms, why it cannot run them or None)
@@ -44,8 +46,9 @@ ADAPTERS = {  # name: (adapter, dtype, fold_norms, why it cannot run them or Non
     "other-shapes": (adapter(configs=[("f16", "f32", 16, 8, 16), ("i8", "i32", 16, 16, 32)]), "float16", True,
                      "no f16->f32 16x16x16 shape (it offers f16->f32 16x8x16, i8->i32 16x16x32)"),
     "subgroups-vary": (adapter(subgroups=(16, 64)), "float16", True, "subgroups of exactly 32"),
-    "f32-model": (adapter(), "float32", True, "are f16 and this model runs in float32"),
+    "f32-model": (adapter(), "float32", True, "built in float16 and it runs in float32"),
     "norms-apart": (adapter(), "float16", False, "fold the norms"),
+    "no-shader-f16": (adapter(f16=False), "float32", True, "no shader-f16"),
 }
 
 
@@ -195,6 +198,36 @@ def test_tiny_model_prefills_on_the_matrix_builds(loop, gpu, test_library, test_
     loop.run_until_complete(model.use(dataclasses.replace(model.options, prefill_matrix=False)))
     loop.run_until_complete(model.forward([5, 6, 7]))
     assert model.stats[-1].kernel == "prefill · scalar matmuls, 32-token tiles"
+
+
+def test_gemma_prefills_in_f32_on_the_matrix_builds(loop, gpu, test_library, test_artifact_dir, tmp_path):
+    """Gemma's family runs in f32 (its activations overflow f16); its matrix builds read and write f32 and
+    multiply in f16 as the f16 builds do. Tiny Gemma 3 (a window of 32) loads them and its attention's;
+    two turns past the window on the 32-token tiles of the matmuls (the emulated long tiles and head_dim
+    256 attention compile for minutes on lavapipe: test_prefill_kernels checks both builds' f32 forms),
+    each as close to the f64 reference as the f16 models' matrix builds are."""
+    if not gpu.has_f16:
+        pytest.skip("adapter has no shader-f16")
+    write_random_artifact("tiny_gemma3", tmp_path, seed=3)
+    reference = ReferenceLlama(*load_artifact_weights(tmp_path))
+    config = TEST_MODEL_CONFIGS["tiny_gemma3"]
+    with offering_subgroup_matrices(gpu):
+        model = load(loop, gpu, EmulatingLibrary(test_library, test_artifact_dir), tmp_path, "float32",
+                     fold_norms=True, matmul_subgroups=False, prefill_matrix=True, short_prefill_decode_attention=False,
+                     prefill_attention_matrix=False, warm_up=False)
+    by_default = dataclasses.replace(model.options, prefill_attention_matrix=None)
+    assert model.runs_prefill_attention_matrix(by_default) and model.attention.prefill_matrix.endswith("_f32")
+    assert {role for role in model.kernels if role.endswith(MATRIX_SUFFIX)} == set(
+        matrix_roles(llama_kernels(config, "float32"), config.arch))
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, config.vocab_size, 60)]
+    for start, end in ((0, 30), (30, 60)):
+        token = loop.run_until_complete(model.forward(prompt[start:end]))
+        assert model.stats[-1].kernel == "prefill · subgroup-matrix matmuls, 32-token tiles"
+        reference.reset()
+        want = reference.forward(prompt[:end], 0)[-1]
+        got = logits_of(loop, model)
+        assert rel_l2(got, want) < LOGIT_TOLERANCE["float16"], f"{end} tokens: {rel_l2(got, want):.2e}"
+        assert token == int(np.argmax(got))
 
 
 def test_a_request_for_matrix_builds_the_model_did_not_load_is_refused(loop, gpu, test_library, tiny_dir):
