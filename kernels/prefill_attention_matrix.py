@@ -73,6 +73,9 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
     H_kv, H_qo, D = num_kv_heads, num_qo_heads, head_dim
     assert dtype in ("float16", "float32") and H_qo % H_kv == 0 and D % FRAG == 0 and D <= MAX_HEAD_DIM
     io = "f32" if dtype == "float32" else "f16"  # of q, the pages and the output
+
+    def as_f16(load: str) -> str:  # a vec4 of q or the pages as the tiles stage it
+        return f"vec4<f16>({load})" if io == "f32" else load
     G = H_qo // H_kv
     TILE_KEYS, S_STRIDE, P_STRIDE, KT_STRIDE = tile_layout(D)
     KEYS_PER_LANE = TILE_KEYS // LANES_PER_ROW
@@ -137,7 +140,7 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
         """The Q rows first_row .. first_row + round_rows - 1 staged (rows past the chunk repeat its last token)."""
         return [f"  for (var e = tid; e < {round_rows * cols}u; e = e + {THREADS}u) {{",
                 f"    let row = row0 + {f'{first_row} + ' if first_row else ''}i32(e / {cols}u);",
-                f"    let v = vec4<f16>(q[u32(min(row / {G}, n - 1) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u]);",
+                f"    let v = {as_f16(f'q[u32(min(row / {G}, n - 1) * {H_qo} + kv_head * {G} + row % {G}) * {cols}u + e % {cols}u]')};",
                 f"    let at = (e / {cols}u) * {kv_stride}u + (e % {cols}u) * {VEC}u;",
                 "    kv_tile[at] = v.x; kv_tile[at + 1u] = v.y; kv_tile[at + 2u] = v.z; kv_tile[at + 3u] = v.w;",
                 "  }",
@@ -170,8 +173,8 @@ def matrix_prefill_attention(num_kv_heads: int, num_qo_heads: int, head_dim: int
                     f"      let position = min({tile} * {TILE_KEYS} + i32(key), kv_len - 1);",
                     f"      let row = ((u32(page_ids[position / {page_size}]) * 2u * {H_kv}u + u32(kv_head)) * {page_size}u"
                     f" + u32(position % {page_size})) * {cols}u + tid % {cols}u;",
-                    f"      k{i} = vec4<f16>(pages[row]);",
-                    f"      v{i} = vec4<f16>(pages[row + {H_kv * page_size * cols}u]); }}"]
+                    f"      k{i} = {as_f16('pages[row]')};",
+                    f"      v{i} = {as_f16(f'pages[row + {H_kv * page_size * cols}u]')}; }}"]
         return out
 
     lines += ["  {"] + fetch("first_tile") + ["  }"]

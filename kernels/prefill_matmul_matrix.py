@@ -124,7 +124,8 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     for i in range(x_loads):
         token = f"tid / {X_WORDS}u + {i * THREADS // X_WORDS}u"
         lines += [f"  let x_token{i} = {token};",
-                  f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter * {x_vecs}u;"]
+                  f"  let x_at{i} = u32(min(tok0 + i32(x_token{i}), n - 1)) * {x_row_vecs}u + quarter"
+                  + (f" * {x_vecs}u;" if x_vecs > 1 else ";")]
         lines += [f"  var x_raw{i}_{v} : vec4<f32>;" for v in range(x_vecs)] if f32_io else [f"  var x_raw{i} : vec4<u32>;"]
         lines += [f"  var x_sq{i} = 0.0f;"] * normed
     lines += ["", "  // W: each thread dequantizes one row's block"]
