@@ -626,11 +626,6 @@ def _llama_kernels(c: LlamaConfig, dtype: str) -> dict[str, MatmulSpec | KernelR
     return roles
 
 
-# The prefill matmuls that have a subgroup-matrix build (the folded ones: adapters with subgroup
-# matrices are GPUs, which fold the norms); a family's are `folded_matmuls(arch, True)`.
-MATRIX_MATMULS = (Matmul.NORM_QKV, Matmul.O_RESIDUAL, Matmul.NORM_GATE_UP_SWIGLU, Matmul.DOWN_RESIDUAL)
-
-
 def has_matrix_builds(c: LlamaConfig, dtype: str) -> bool:
     """Whether a model's prefill has subgroup-matrix builds in `dtype`: in f16, and in f32 for a family that
     runs only in f32 (f16 products all the same); an f16-capable family runs f32 only without shader-f16."""

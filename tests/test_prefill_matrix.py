@@ -27,6 +27,7 @@ from matrix_emulation import emulated
 from model_glue.gpu.artifact import KernelLibrary
 from model_glue.gpu.kernel import Kernel
 from model_glue.errors import ModelError
+from model_glue.options import RunOptions
 from model_glue.policy import pick_prefill_matrix, why_no_prefill_matrix
 from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from model_reference import ReferenceLlama
@@ -257,3 +258,24 @@ def test_the_pages_check_passes_the_emulated_builds_and_catches_a_wrong_one(loop
     library._emulated[broken.name] = loop.run_until_complete(Kernel.compile(gpu, broken, wgsl))
     rows = loop.run_until_complete(check_prefill_kernels(model))
     assert {(r["role"], r["matrix"]) for r in rows if not r["ok"]} == {("attention", True)}
+
+
+def test_the_pages_check_covers_a_familys_matmuls_and_q8a(loop, gpu, test_library, tmp_path):
+    """The same check on tiny Gemma 3 opened from a Q8_0 GGUF (its matrices Q8A, as the real file's
+    wider ones are), f32, scalar builds: its own matmuls (o and down without the residual, GELU's gate)
+    and attention, each within the f32 bound of float64, which a wrong Q8A reference would miss by far."""
+    from app.bench.gguf_files import write_llama_gguf
+    from model_glue.formats.gguf_file import file_reader
+    from model_glue.sources import GGUFFile, open_model
+
+    path = tmp_path / "tiny_gemma3.gguf"
+    write_llama_gguf(path, TEST_MODEL_CONFIGS["tiny_gemma3"], types={"matrix": "Q8_0", "embed": "Q8_0"}, seed=5,
+                     dense=False)
+    opened = loop.run_until_complete(open_model(gpu, test_library, GGUFFile(*file_reader(path)), dtype="float32",
+                                                options=RunOptions(fold_norms=True, warm_up=False)))
+    rows = loop.run_until_complete(check_prefill_kernels(opened.model))
+    assert {(r["role"], r["matrix"]) for r in rows if r["role"] != "attention"} == {
+        (m, False) for m in ("norm_qkv", "o", "norm_gate_up_swiglu", "down")}  # the role names the gated matmul
+    assert {r["kernel"].split("_k")[0] for r in rows if r["role"] != "attention"} == {"matmul_prefill_q8a"}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+

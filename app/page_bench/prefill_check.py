@@ -24,8 +24,8 @@ from dataclasses import replace
 
 from chat.lab import _gpu_seconds, random_values
 from contract.attention import MATRIX_PREFILL, AttentionChoice
-from contract.kernels import LAYER_MATMULS, MATRIX_MATMULS, PAGE_SIZE, Matmul, llama_kernels, matmul_role
-from contract.model import DTYPE_BYTES, codes_tensor
+from contract.kernels import PAGE_SIZE, Matmul, folded_matmuls, layer_matmuls, llama_kernels, matmul_role
+from contract.model import DTYPE_BYTES, Q8A_BLOCK, codes_tensor
 from model_glue.policy import DECODE_BATCH_MAX_TOKENS, short_token_tile
 
 CHECK_TOKENS = (200, 20)  # a long pass (two 128-token tiles, the second part-full) and a short one
@@ -41,11 +41,16 @@ ATTENTION_SAMPLES = 24
 KEY_GROWTH = 128
 
 
+def _tolerance(dtype: str, matrix: bool) -> float:
+    """A build's bound: the matrix builds multiply f16 fragments whatever the model's dtype."""
+    return TOLERANCE["float16" if matrix else dtype]
+
+
 def _builds(model) -> list[tuple[Matmul, bool]]:
-    """(matmul, matrix) of each prefill matmul build the model runs."""
-    matmuls = MATRIX_MATMULS if model.run.fold_norms else (Matmul.QKV, Matmul.O_RESIDUAL, Matmul.GATE_UP,
-                                                           Matmul.DOWN_RESIDUAL)
-    return [(m, matrix) for m in matmuls for matrix in ((False, True) if model.has_prefill_matrix else (False,))]
+    """(matmul, matrix) of each prefill matmul build the model runs (its family's; the matrix builds are
+    the folded matmuls', which GPUs run)."""
+    return [(m, matrix) for m in folded_matmuls(model.config.arch, model.run.fold_norms)
+            for matrix in ((False, True) if model.has_prefill_matrix else (False,))]
 
 
 def _spec(model, role: str):
@@ -60,17 +65,19 @@ def _activation(glu: str, gate: float) -> float:
 
 
 class CheckInputs:
-    """Random inputs of one matmul width (x, q4 W, its scales and mins, the norm's weight, the
-    residual) and the float64 reference of its outputs at sampled places."""
+    """Random inputs of one matmul width (x, W in the build's q4 or q8a, its scales and mins, the norm's
+    weight, the residual) and the float64 reference of its outputs at sampled places."""
 
     def __init__(self, spec, n: int, dtype: str, rng: random.Random):
         self.spec, self.n, self.dtype = spec, n, dtype
         k, rows = spec.in_features, CHECK_ROWS
         self.columns = rows if spec.glu is None else rows // 2
         self.x = random_values(n * k, dtype, rng)
-        self.words = rng.randbytes(rows * k // 2)
-        self.scale = array("f", [rng.uniform(0.005, 0.03) for _ in range(rows * k // 32)])
-        self.wmin = array("f", [-8 * s * rng.uniform(0.8, 1.2) for s in self.scale])
+        self.q8a = spec.weights == "q8a"
+        self.block = Q8A_BLOCK if self.q8a else 32  # weights a scale and a min
+        self.words = rng.randbytes(rows * k if self.q8a else rows * k // 2)  # a byte or a nibble a weight
+        self.scale = array("f", [rng.uniform(0.005, 0.03) / (16 if self.q8a else 1) for _ in range(rows * k // self.block)])
+        self.wmin = array("f", [(-0.1 if self.q8a else -8) * s * rng.uniform(0.8, 1.2) for s in self.scale])
         self.norm = array("f", [rng.uniform(0.6, 1.4) for _ in range(k)])
         self.resid = random_values(n * self.columns, dtype, rng)
         tiles = [(t, c) for t in {0, n - 1, min(n - 1, 127), min(n - 1, 128), min(n - 1, 31)}
@@ -82,14 +89,20 @@ class CheckInputs:
     def values(self, data) -> memoryview:
         return memoryview(data).cast("e" if self.dtype == "float16" else "f")
 
-    def _row(self, r: int) -> list[float]:
+    def _code(self, r: int, i: int) -> int:
+        """Weight i of row r's code: a q4 nibble (element 8w + j in bits 4j of word w, little-endian), or a
+        q8a signed byte (weight q8a_weight_at(u, b) of a block is byte b of its word u)."""
         k = self.spec.in_features
-        codes = self.words[r * k // 2:(r + 1) * k // 2]
-        out = []
-        for i in range(k):
-            code = (codes[i // 2] >> (4 * (i % 2))) & 15  # element 8w + j in bits 4j of word w (little-endian)
-            out.append(code * self.scale[r * k // 32 + i // 32] + self.wmin[r * k // 32 + i // 32])
-        return out
+        if not self.q8a:
+            return (self.words[(r * k + i) // 2] >> (4 * (i % 2))) & 15
+        j = i % Q8A_BLOCK
+        word, byte = 2 * (j // 8) + j % 2, (j % 8) // 2  # q8a_weight_at's inverse
+        code = self.words[r * k + i - j + 4 * word + byte]
+        return code - 256 if code >= 128 else code
+
+    def _row(self, r: int) -> list[float]:
+        k, block = self.spec.in_features, self.block
+        return [self._code(r, i) * self.scale[(r * k + i) // block] + self.wmin[(r * k + i) // block] for i in range(k)]
 
     def _reference(self, t: int, c: int) -> float:
         spec, k = self.spec, self.spec.in_features
@@ -145,7 +158,7 @@ async def check_prefill_matmuls(model, seed: int = 0, on_row=lambda row: None) -
             row = {"role": matmul, "kernel": kernel.name, "matrix": matrix, "tokens": n,
                    "tile": "short" if short_token_tile(n, matrix) else "long", "in_features": spec.in_features,
                    "rows": CHECK_ROWS, "samples": len(inputs.places), "rel_l2": error,
-                   "ok": error <= TOLERANCE[model.dtype]}
+                   "ok": error <= _tolerance(model.dtype, matrix)}
             rows.append(row)
             on_row(row)
     return rows
@@ -168,7 +181,7 @@ async def time_prefill_matmuls(model, tokens=TIMED_TOKENS, iters: int = TIMED_IT
             for matmul, matrix in _builds(model):
                 role = matmul_role(matmul, prefill=True, short=short_token_tile(n, matrix), matrix=matrix)
                 spec, kernel = _spec(model, role), model.kernels[role]
-                weight = f"layers.0.{LAYER_MATMULS[matmul]}"
+                weight = f"layers.0.{layer_matmuls(c.arch)[matmul]}"
                 buffers = {"x": x, "y": y, "resid": resid, "w": model.weights[codes_tensor(c, weight)],
                            "scale": model.weights[f"{weight}.scale"], "wmin": model.weights[f"{weight}.min"],
                            "norm": model.weights["layers.0.attn_norm" if "qkv" in matmul else "layers.0.ffn_norm"]}
@@ -291,7 +304,7 @@ async def check_prefill_attention(model, seed: int = 0, on_row=lambda row: None)
                     device.destroy(buffer)
             row = {"role": "attention", "kernel": kernel.name, "matrix": choice.layout == MATRIX_PREFILL,
                    "tokens": inputs.n, "start": inputs.start, "samples": len(inputs.rows), "rel_l2": error,
-                   "ok": error <= TOLERANCE[model.dtype]}
+                   "ok": error <= _tolerance(model.dtype, choice.layout == MATRIX_PREFILL)}
             rows.append(row)
             on_row(row)
     return rows
