@@ -16,6 +16,7 @@ from page_hooks import install_page_hooks
 
 from attention_reference import decode_attention_reference, make_paged_inputs, relative_l2
 from kernels.decode_attention_subgroup import distinct_builds
+from model_glue.gpu.webgpu import SUBGROUP_MATRIX
 from model_glue.model.attention import attention_call
 from model_glue.policy import pick_subgroup_build
 from contract.attention import subgroup_tag
@@ -135,8 +136,10 @@ def test_every_kernel_passes_chromiums_wgsl_validation(page):
     names = sorted(n for n, entry in manifest["kernels"].items() if set(entry.get("features", [])) <= set(features)
                    and (entry["meta"].get("dtype") != "float16" or "shader-f16" in features))
     assert any("subgroup" in n for n in names), "SwiftShader offers subgroups: the subgroup builds must be among them"
-    # every f32 kernel (SwiftShader offers subgroups); the f16 ones need shader-f16, which it lacks
-    assert {n for n, entry in manifest["kernels"].items() if entry["meta"].get("dtype") == "float32"} <= set(names)
+    # every f32 kernel (SwiftShader offers subgroups) but the matrix builds; the f16 ones and those need
+    # shader-f16 and subgroup matrices, which it lacks
+    assert {n for n, entry in manifest["kernels"].items()
+            if entry["meta"].get("dtype") == "float32" and SUBGROUP_MATRIX not in entry.get("features", [])} <= set(names)
     assert page.evaluate(VALIDATE_IN_PAGE, [names, features]) == {}
 
 
