@@ -80,6 +80,10 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     name = spec.name
     normed, has_gate, residual = spec.norm_eps is not None, spec.glu is not None, spec.residual
     f32_io = spec.dtype == "float32"
+    # An f32 residual stream may exceed f16 (Gemma 3's does): such x is scaled by its 1 / rms before it is
+    # staged as f16, after a first pass over the row for the sums of squares; f16 x is staged as it is and
+    # 1 / rms scales the results.
+    prescaled = normed and f32_io
     scalar = "f32" if f32_io else "f16"  # of x, resid and y
     x_vecs = 2 if f32_io else 1  # loads of a quarter: two vec4<f32>, or one vec4<u32> of 8 halves
     steps, x_row_vecs = spec.in_features // K_STEP, spec.in_features // 8 * x_vecs  # x rows in loads
@@ -157,6 +161,26 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                     f"    w_min{suffix} = wmin[{at}];"]
         return out
 
+    def inverse_rms() -> list[str]:
+        """Each token's 1 / rms into row_scale, from its quarters' sums of x^2 (or 1 without the norm)."""
+        out = [f"  squares[x_token{i} * {X_WORDS}u + quarter] = x_sq{i};" for i in range(x_loads) if normed]
+        out += ["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{"]
+        if normed:
+            out += ["    var sum = 0.0f;",
+                    f"    for (var q = 0u; q < {X_WORDS}u; q = q + 1u) {{ sum = sum + squares[t * {X_WORDS}u + q]; }}",
+                    f"    row_scale[t] = inverseSqrt(sum / {float(spec.in_features)}f + podArgs.eps);"]
+        else:
+            out += ["    row_scale[t] = 1.0f;"]
+        return out + ["  }"]
+
+    if prescaled:  # the first pass: 1 / rms of each token before any x is staged
+        for i in range(x_loads):
+            lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{",
+                      f"    let lo = x[x_at{i} + step * {X_WORDS * x_vecs}u];",
+                      f"    let hi = x[x_at{i} + step * {X_WORDS * x_vecs}u + 1u];",
+                      f"    x_sq{i} = x_sq{i} + dot(lo, lo) + dot(hi, hi);", "  }"]
+        lines += inverse_rms() + ["  workgroupBarrier();"]
+        lines += [f"  let x_scale{i} = row_scale[x_token{i}];" for i in range(x_loads)]
     lines += ["  {"] + load("0u") + ["  }"]
     lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
     for i in range(x_loads):
@@ -165,7 +189,11 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                     if f32_io else f"unpack2x16float(x_raw{i}[{h}]);  // two halves of x, exactly")
             lines += [f"    {{ let pair = {pair}",
                       f"      let at = x_token{i} * {A_STRIDE}u + quarter * 8u + {2 * h}u;"]
-            if normed:  # x times the norm's weight (1 / rms scales the results): a multiply per value of x
+            if prescaled:  # x times the norm's weight and its 1 / rms
+                g = f"norm_{'lo' if h < 2 else 'hi'}"
+                lines += [f"      x_tile[at] = f16(pair.x * {g}[{2 * h % 4}] * x_scale{i});",
+                          f"      x_tile[at + 1u] = f16(pair.y * {g}[{2 * h % 4 + 1}] * x_scale{i}); }}"]
+            elif normed:  # x times the norm's weight (1 / rms scales the results): a multiply per value of x
                 g = f"norm_{'lo' if h < 2 else 'hi'}"
                 lines += [f"      x_tile[at] = f16(pair.x * {g}[{2 * h % 4}]);",
                           f"      x_tile[at + 1u] = f16(pair.y * {g}[{2 * h % 4 + 1}]);",
@@ -186,16 +214,9 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
             lines.append("    }")
     lines.append("  }")
 
-    # each token's 1 / rms from its quarters' sums of x^2
-    lines += [""] + [f"  squares[x_token{i} * {X_WORDS}u + quarter] = x_sq{i};" for i in range(x_loads) if normed]
-    lines += ["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{"]
-    if normed:
-        lines += ["    var sum = 0.0f;",
-                  f"    for (var q = 0u; q < {X_WORDS}u; q = q + 1u) {{ sum = sum + squares[t * {X_WORDS}u + q]; }}",
-                  f"    row_scale[t] = inverseSqrt(sum / {float(spec.in_features)}f + podArgs.eps);"]
-    else:
-        lines += ["    row_scale[t] = 1.0f;"]
-    lines.append("  }")
+    # each token's 1 / rms, which scales its results (1 where x was scaled before it was staged)
+    lines += [""] + (["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{",
+                      "    row_scale[t] = 1.0f;", "  }"] if prescaled else inverse_rms())
 
     # the epilogue, EPILOGUE_TOKENS token rows at a time: the subgroup that holds them stores its
     # fragments, then every thread reads its column(s) back

@@ -260,6 +260,7 @@ def random_matrix(rng, rows, cols, weights: str):
     return words, scale, minv, dequant_q8a(words, scale, minv).astype(np.float64)
 
 
+F32_STREAM_SCALE = 1e5  # an f32 residual stream past f16's range (Gemma 3's is: docs/benchmarks.md)
 MATMUL_CASES = [(flags, None, dtype, tile, matrix) for flags in TEST_PREFILL_MATMULS
                 for dtype, tiles in TEST_PREFILL_TILES.items() for tile, matrix in tiles] + [
     (flags, lanes, dtype, 128, False) for flags in TEST_DECODE_MATMULS for lanes in (None, *TEST_MATMUL_SUBGROUP_LANES)
@@ -320,13 +321,18 @@ def test_prefill_matmul_matches_f64(loop, gpu, test_library, test_artifact_dir, 
     columns = out_features // 2 if swiglu else out_features
     # the emulated 128-token matrix tiles are slow on lavapipe: one token, and 300 (two full tiles, one part-full)
     for n in ((1, 2) if decode else (1, 300) if matrix and token_tile == 128 else (1, 31, 37, 128, 300)):
-        x = rng.standard_normal((n, in_features)).astype(NP_DTYPE[dtype])
+        # an f32 normed x as large as Gemma 3's residual stream, past f16's range: it must be scaled before f16
+        x = (rng.standard_normal((n, in_features)) * (F32_STREAM_SCALE if norm and dtype == "float32" else 1)
+             ).astype(NP_DTYPE[dtype])
         resid = rng.standard_normal((n, columns)).astype(NP_DTYPE[dtype])
         xf = x.astype(np.float64)
         if norm:
             inv_rms = 1 / np.sqrt((xf ** 2).mean(axis=1, keepdims=True) + 1e-5)
-            xf = (x.astype(np.float32) * norm_weight).astype(np.float16) if matrix else xf * norm_weight
-            xf = xf.astype(np.float64) * inv_rms
+            if matrix and dtype == "float32":  # staged as f16 after the norm's 1 / rms
+                xf = (x.astype(np.float32) * norm_weight * inv_rms.astype(np.float32)).astype(np.float16).astype(np.float64)
+            else:  # f16 x times the norm's weight staged, 1 / rms on the results
+                xf = (x.astype(np.float32) * norm_weight).astype(np.float16) if matrix else xf * norm_weight
+                xf = xf.astype(np.float64) * inv_rms
         elif matrix:  # the fragments' x is f16 (an f32 build rounds it)
             xf = x.astype(np.float16).astype(np.float64)
         ref = xf @ w.T
