@@ -161,11 +161,11 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                     f"    w_min{suffix} = wmin[{at}];"]
         return out
 
-    def inverse_rms() -> list[str]:
-        """Each token's 1 / rms into row_scale, from its quarters' sums of x^2 (or 1 without the norm)."""
-        out = [f"  squares[x_token{i} * {X_WORDS}u + quarter] = x_sq{i};" for i in range(x_loads) if normed]
+    def row_scales(inverse_rms: bool) -> list[str]:
+        """Each token's row_scale: its 1 / rms from its quarters' sums of x^2, or 1."""
+        out = [f"  squares[x_token{i} * {X_WORDS}u + quarter] = x_sq{i};" for i in range(x_loads) if inverse_rms]
         out += ["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{"]
-        if normed:
+        if inverse_rms:
             out += ["    var sum = 0.0f;",
                     f"    for (var q = 0u; q < {X_WORDS}u; q = q + 1u) {{ sum = sum + squares[t * {X_WORDS}u + q]; }}",
                     f"    row_scale[t] = inverseSqrt(sum / {float(spec.in_features)}f + podArgs.eps);"]
@@ -179,7 +179,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
                       f"    let lo = x[x_at{i} + step * {X_WORDS * x_vecs}u];",
                       f"    let hi = x[x_at{i} + step * {X_WORDS * x_vecs}u + 1u];",
                       f"    x_sq{i} = x_sq{i} + dot(lo, lo) + dot(hi, hi);", "  }"]
-        lines += inverse_rms() + ["  workgroupBarrier();"]
+        lines += row_scales(True) + ["  workgroupBarrier();"]
         lines += [f"  let x_scale{i} = row_scale[x_token{i}];" for i in range(x_loads)]
     lines += ["  {"] + load("0u") + ["  }"]
     lines += [f"  for (var step = 0u; step < {steps}u; step = step + 1u) {{", "    workgroupBarrier();"]
@@ -215,8 +215,7 @@ def matrix_matmul(spec: MatmulSpec) -> WgslKernel:
     lines.append("  }")
 
     # each token's 1 / rms, which scales its results (1 where x was scaled before it was staged)
-    lines += [""] + (["  workgroupBarrier();", f"  for (var t = tid; t < {tokens}u; t = t + {THREADS}u) {{",
-                      "    row_scale[t] = 1.0f;", "  }"] if prescaled else inverse_rms())
+    lines += [""] + row_scales(normed and not prescaled)
 
     # the epilogue, EPILOGUE_TOKENS token rows at a time: the subgroup that holds them stores its
     # fragments, then every thread reads its column(s) back

@@ -31,7 +31,7 @@ def chat_once(tab, text: str, tokens: int) -> None:
 
 # The page hashes and stores an opened GGUF this many bytes at a time (?keepChunk): small, so that
 # caching the 8 MB test file lasts through the reply typed right after Ready.
-KEEP_CHUNK = 16384
+KEEP_CHUNK = 4096
 
 
 def chunked_sha256(data: bytes, chunk: int) -> str:

@@ -76,6 +76,7 @@ class CheckInputs:
         self.q8a = spec.weights == "q8a"
         self.block = Q8A_BLOCK if self.q8a else 32  # weights a scale and a min
         self.words = rng.randbytes(rows * k if self.q8a else rows * k // 2)  # a byte or a nibble a weight
+        # q8a's signed codes span 16x q4's 0..15 (around 0): its scale and min keep W in a like range
         self.scale = array("f", [rng.uniform(0.005, 0.03) / (16 if self.q8a else 1) for _ in range(rows * k // self.block)])
         self.wmin = array("f", [(-0.1 if self.q8a else -8) * s * rng.uniform(0.8, 1.2) for s in self.scale])
         self.norm = array("f", [rng.uniform(0.6, 1.4) for _ in range(k)])
